@@ -1,0 +1,2349 @@
+# anarchon_lite - a job scheduler for one machine, in one file.
+#
+# Copyright (c) 2026 the anarchon_lite authors. MIT licence: use, copy, modify and distribute this
+# file freely, provided this header stays with it.
+"""One file, two dependencies (python-dateutil; aiosqlite is not needed, see the README).
+
+Copy this file into your project and keep this header. Several processes on one host share one
+SQLite file in WAL mode; they declare the same jobs, and every scheduled occurrence runs exactly once
+across them, under a lease kept alive by heartbeats. When the owner crashes, is deployed or freezes,
+another process takes the run over as the next attempt, and a checkpoint store lets it continue::
+
+    from anarchon_lite import Scheduler
+
+    scheduler = Scheduler("jobs.db")
+
+    @scheduler.every("export", "1h", timeout="50m")
+    async def export(ctx):
+        after = await ctx.checkpoint.get(0)
+        for batch in batches_after(after):
+            ctx.signal.throw_if_aborted()
+            await export_batch(batch)
+            await ctx.checkpoint.set(batch[-1].id)
+
+    asyncio.run(scheduler.run())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextvars
+import dataclasses
+import datetime as _dt
+import functools
+import heapq
+import inspect
+import json
+import logging
+import os
+import random
+import re
+import signal
+import socket
+import sqlite3
+import sys
+import threading
+import time
+import traceback
+import zoneinfo
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
+
+from dateutil import rrule as _rrule
+from dateutil.relativedelta import relativedelta
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aborted",
+    "AnarchonError",
+    "CancelToken",
+    "Cancelled",
+    "CheckpointStore",
+    "Clock",
+    "ConfigError",
+    "JobStatus",
+    "LeaseLost",
+    "RunContext",
+    "RunInfo",
+    "RunRecord",
+    "RunTimeout",
+    "Scheduler",
+    "Shutdown",
+    "StoreError",
+    "SystemClock",
+    "parse_duration",
+]
+
+_log = logging.getLogger("anarchon_lite")
+_UTC = _dt.timezone.utc
+T = TypeVar("T")
+Handler = Callable[["RunContext"], Any]
+DurationLike = Union[int, float, _dt.timedelta, str]
+
+
+###############################################################################
+# Errors ######################################################################
+###############################################################################
+
+
+class AnarchonError(Exception):
+    """Base class of the errors this module raises for bad input or a broken store."""
+
+
+class ConfigError(AnarchonError, ValueError):
+    """A declaration or an argument is wrong. ``job`` and ``option`` name what, when known."""
+
+    def __init__(self, message: str, *, job: Optional[str] = None, option: Optional[str] = None):
+        where = ", ".join(
+            part for part in (f"job {job!r}" if job else "", f"option {option!r}" if option else "") if part
+        )
+        super().__init__(f"{where}: {message}" if where else message)
+        self.job = job
+        self.option = option
+
+
+class StoreError(AnarchonError):
+    """The database file cannot be used. ``path`` names it; the message says why."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+class Aborted(BaseException):
+    """Why a cancellation token was aborted.
+
+    It derives from ``BaseException`` so that a batch loop's ``except Exception:`` that logs and
+    carries on does not swallow a shutdown, a lost lease or a cancel (asyncio's ``CancelledError``
+    made the same move). ``RunTimeout`` is the exception: it is also a ``TimeoutError``.
+    """
+
+
+class Shutdown(Aborted):
+    """The process is stopping (a deploy, SIGTERM, ``Scheduler.stop()``): the run is handed over."""
+
+
+class RunTimeout(Aborted, TimeoutError):
+    """The attempt ran past its ``timeout``. Also a ``TimeoutError`` (hence an ``OSError``)."""
+
+
+class LeaseLost(Aborted):
+    """Another attempt took the run over; nothing this attempt writes lands any more."""
+
+
+class Cancelled(Aborted):
+    """The run was cancelled by hand (``Scheduler.cancel()``)."""
+
+
+###############################################################################
+# Durations and clocks ########################################################
+###############################################################################
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+
+
+def parse_duration(
+    value: DurationLike, *, job: Optional[str] = None, option: Optional[str] = None
+) -> float:
+    """Return a duration in seconds from seconds, a ``timedelta`` or a string such as ``"1h30m"``.
+
+    Units: ``ms``, ``s``, ``m``, ``h``, ``d``, ``w``. Zero, negative and malformed durations raise
+    ``ConfigError`` naming ``job`` and ``option``.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"duration must be a number, timedelta or string, not {value!r}", job=job, option=option)
+    if isinstance(value, _dt.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        seconds = _parse_duration_text(value, job, option)
+    else:
+        raise ConfigError(f"duration must be a number, timedelta or string, not {value!r}", job=job, option=option)
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ConfigError(f"duration must be positive, got {value!r}", job=job, option=option)
+    return seconds
+
+
+def _parse_duration_text(text: str, job: Optional[str], option: Optional[str]) -> float:
+    compact = text.strip().lower()
+    pos, total = 0, 0.0
+    for match in _DURATION_PART.finditer(compact):
+        if match.start() != pos and compact[pos : match.start()].strip():
+            break
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        pos = match.end()
+    if not compact or compact[pos:].strip():
+        raise ConfigError(
+            f"cannot read duration {text!r}: use a number with a unit ms, s, m, h, d or w, such as '1h30m'",
+            job=job,
+            option=option,
+        )
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """Return ``seconds`` in the compact form that ``parse_duration`` reads, e.g. ``"1h30m"``."""
+    ms = round(seconds * 1000)
+    parts = []
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000), ("ms", 1)):
+        if ms >= size:
+            parts.append(f"{ms // size}{unit}")
+            ms %= size
+    return "".join(parts) or "0ms"
+
+
+class Clock:
+    """Where the scheduler reads time. Subclass it in tests to move time by hand.
+
+    ``time()`` is wall-clock seconds since the Unix epoch; ``monotonic()`` never goes back and, on
+    one host, is the same clock in every process (Linux ``CLOCK_MONOTONIC``), so leases compare
+    across processes whatever the wall clock does.
+    """
+
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+SystemClock = Clock
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def _utc_from_ms(ms: int) -> _dt.datetime:
+    return _dt.datetime.fromtimestamp(ms / 1000, _UTC)
+
+
+def _ms_from_dt(moment: _dt.datetime) -> int:
+    delta = moment - _dt.datetime(1970, 1, 1, tzinfo=_UTC)
+    return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
+
+
+###############################################################################
+# Cancellation ################################################################
+###############################################################################
+
+
+class CancelToken:
+    """A cancellation token, as JavaScript's ``AbortSignal`` or .NET's ``CancellationToken``.
+
+    It is aborted at most once: the first reason wins and a later ``abort`` does nothing. Every
+    method is safe from any thread; callbacks run outside the token's lock, in the thread that
+    aborts, and a callback registered after the abort runs at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reason: Optional[BaseException] = None
+        self._callbacks: Dict[int, Callable[[BaseException], None]] = {}
+        self._next_id = 0
+        self._detach: Optional[Callable[[], None]] = None
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the token has been aborted."""
+        return self._reason is not None
+
+    @property
+    def reason(self) -> Optional[BaseException]:
+        """The exception the token was aborted with, or ``None``."""
+        return self._reason
+
+    def abort(self, reason: Optional[BaseException] = None) -> bool:
+        """Abort with ``reason`` (default ``Cancelled()``); return whether this call did it."""
+        with self._lock:
+            if self._reason is not None:
+                return False
+            self._reason = reason if reason is not None else Cancelled("aborted")
+            callbacks = list(self._callbacks.values())
+            self._callbacks.clear()
+            detach, self._detach = self._detach, None
+        if detach is not None:
+            detach()
+        for callback in callbacks:
+            _call_quietly(callback, self._reason)
+        return True
+
+    def throw_if_aborted(self) -> None:
+        """Raise the reason if the token is aborted; else do nothing."""
+        reason = self._reason
+        if reason is not None:
+            raise reason
+
+    def on_abort(self, callback: Callable[[BaseException], None]) -> Callable[[], None]:
+        """Call ``callback(reason)`` on abort (at once if already aborted); return a remover."""
+        with self._lock:
+            if self._reason is None:
+                key = self._next_id
+                self._next_id += 1
+                self._callbacks[key] = callback
+                return functools.partial(self._remove, key)
+        _call_quietly(callback, self._reason)
+        return _nothing
+
+    def _remove(self, key: int) -> None:
+        with self._lock:
+            self._callbacks.pop(key, None)
+
+    def child(self) -> CancelToken:
+        """A token that aborts with this one (same reason); it unregisters once aborted itself."""
+        token = CancelToken()
+        remove = self.on_abort(token.abort)
+        with token._lock:
+            if token._reason is None:
+                token._detach = remove
+                return token
+        remove()
+        return token
+
+    @classmethod
+    def after(cls, delay: DurationLike, reason: Optional[BaseException] = None) -> CancelToken:
+        """A token that aborts by itself after ``delay`` (default reason ``RunTimeout``)."""
+        seconds = parse_duration(delay, option="delay")
+        token = cls()
+        timer = threading.Timer(seconds, token.abort, [reason or RunTimeout(f"timed out after {format_duration(seconds)}")])
+        timer.daemon = True
+        token.on_abort(lambda _reason: timer.cancel())
+        timer.start()
+        return token
+
+    async def wait(self) -> BaseException:
+        """Return the reason once the token is aborted."""
+        if self._reason is not None:
+            return self._reason
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        remove = self.on_abort(lambda _r: loop.call_soon_threadsafe(_resolve, future))
+        try:
+            await future
+        finally:
+            remove()
+        assert self._reason is not None
+        return self._reason
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``; raise the reason at once if the token aborts meanwhile."""
+        self.throw_if_aborted()
+        waiter = asyncio.ensure_future(self.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=max(0.0, seconds))
+        finally:
+            waiter.cancel()
+        self.throw_if_aborted()
+
+    def sleep_sync(self, seconds: float) -> None:
+        """Blocking form of ``sleep`` for worker threads."""
+        event = threading.Event()
+        remove = self.on_abort(lambda _r: event.set())
+        try:
+            event.wait(max(0.0, seconds))
+        finally:
+            remove()
+        self.throw_if_aborted()
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable``; if the token aborts first, cancel it and raise the reason instead."""
+        self.throw_if_aborted()
+        task = asyncio.ensure_future(awaitable)
+        waiter = asyncio.ensure_future(self.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            self.throw_if_aborted()
+        return task.result()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _call_quietly(callback: Callable[[BaseException], None], reason: BaseException) -> None:
+    try:
+        callback(reason)
+    except Exception:
+        _log.exception("cancellation callback %r failed", callback)
+
+
+###############################################################################
+# Schedules ###################################################################
+###############################################################################
+#
+# A schedule is pure: ``next_after(ms)`` gives the first occurrence strictly after an instant, as
+# integer Unix epoch milliseconds, or None when the schedule has no more. Calendar schedules (cron,
+# rrule) work on naive local times in their zone and then map each local time to instants with one
+# of two daylight-saving rules: "elapsed" (a local time in a gap does not exist, a repeated one
+# happens twice) or "wall" (a time in a gap fires at the first instant after it, a repeated one
+# fires once, the first time).
+
+_MINUTE = _dt.timedelta(minutes=1)
+_DST_REACH = _dt.timedelta(hours=3)  # wider than any daylight-saving shift in the tz database
+
+
+class _Schedule:
+    description = ""
+
+    def next_after(self, after_ms: int) -> Optional[int]:
+        raise NotImplementedError
+
+
+class _Every(_Schedule):
+    def __init__(self, interval: float, offset: float):
+        self.interval = max(1, round(interval * 1000))
+        self.offset = round(offset * 1000) % self.interval
+        self.description = f"every {format_duration(interval)}" + (
+            f" offset {format_duration(offset)}" if offset else ""
+        )
+
+    def next_after(self, after_ms: int) -> Optional[int]:
+        steps = (after_ms - self.offset) // self.interval + 1
+        return steps * self.interval + self.offset
+
+
+def _local_zone() -> _dt.tzinfo:
+    name = os.environ.get("TZ", "").lstrip(":")
+    if name:
+        try:
+            return zoneinfo.ZoneInfo(name)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            pass
+    try:
+        target = os.path.realpath("/etc/localtime")
+        if "zoneinfo/" in target:
+            return zoneinfo.ZoneInfo(target.split("zoneinfo/", 1)[1])
+        with open("/etc/localtime", "rb") as handle:
+            return zoneinfo.ZoneInfo.from_file(handle, key="localtime")
+    except (OSError, ValueError, zoneinfo.ZoneInfoNotFoundError):
+        return _UTC
+
+
+def _zone(tz: Union[None, str, _dt.tzinfo], job: str) -> _dt.tzinfo:
+    if tz is None:
+        return _local_zone()
+    if isinstance(tz, _dt.tzinfo):
+        return tz
+    try:
+        return zoneinfo.ZoneInfo(tz)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+        raise ConfigError(f"unknown time zone {tz!r} ({exc})", job=job, option="tz") from None
+
+
+def _instants(naive: _dt.datetime, zone: _dt.tzinfo) -> List[_dt.datetime]:
+    """The UTC instants at which the local time ``naive`` happens: none (gap), one or two."""
+    found: List[_dt.datetime] = []
+    for fold in (0, 1):
+        moment = naive.replace(tzinfo=zone, fold=fold).astimezone(_UTC)
+        if moment.astimezone(zone).replace(tzinfo=None) == naive and moment not in found:
+            found.append(moment)
+    found.sort()
+    return found
+
+
+def _after_gap(naive: _dt.datetime, zone: _dt.tzinfo) -> _dt.datetime:
+    """The first instant after the daylight-saving gap that swallows the local time ``naive``."""
+    low = naive.replace(tzinfo=zone, fold=1).astimezone(_UTC)
+    high = naive.replace(tzinfo=zone, fold=0).astimezone(_UTC)
+    if low > high:
+        low, high = high, low
+    before = low.astimezone(zone).utcoffset()
+    while (high - low) > _dt.timedelta(seconds=1):
+        middle = low + (high - low) / 2
+        middle = middle.replace(microsecond=0)
+        if middle.astimezone(zone).utcoffset() == before:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+class _Calendar(_Schedule):
+    """Shared mapping of naive local occurrences to instants, for cron and rrule."""
+
+    zone: _dt.tzinfo
+    elapsed: bool
+
+    def _naive_after(self, naive: _dt.datetime) -> Optional[_dt.datetime]:
+        raise NotImplementedError
+
+    def next_after(self, after_ms: int) -> Optional[int]:
+        after = _utc_from_ms(after_ms)
+        found = self._next_elapsed(after) if self.elapsed else self._next_wall(after)
+        return None if found is None else _ms_from_dt(found)
+
+    def _local(self, moment: _dt.datetime) -> _dt.datetime:
+        return moment.astimezone(self.zone).replace(tzinfo=None)
+
+    def _near_transition(self, moment: _dt.datetime) -> bool:
+        offset = moment.astimezone(self.zone).utcoffset()
+        return any((moment + d).astimezone(self.zone).utcoffset() != offset for d in (-_DST_REACH, _DST_REACH))
+
+    def _next_wall(self, after: _dt.datetime) -> Optional[_dt.datetime]:
+        naive: Optional[_dt.datetime] = self._local(after) - _MINUTE
+        while naive is not None:
+            naive = self._naive_after(naive)
+            if naive is None:
+                return None
+            found = _instants(naive, self.zone)
+            moment = found[0] if found else _after_gap(naive, self.zone)
+            if moment > after:
+                return moment
+        return None
+
+    def _next_elapsed(self, after: _dt.datetime) -> Optional[_dt.datetime]:
+        start = self._local(after)
+        if self._near_transition(after):
+            start -= _DST_REACH
+        best: Optional[_dt.datetime] = None
+        naive: Optional[_dt.datetime] = start - _MINUTE
+        while True:
+            naive = self._naive_after(naive) if naive is not None else None
+            if naive is None or (best is not None and naive > self._local(best) + _DST_REACH):
+                return best
+            for moment in _instants(naive, self.zone):
+                if moment > after and (best is None or moment < best):
+                    best = moment
+            if best is not None and not self._near_transition(best):
+                return best
+
+
+_CRON_NICKNAMES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+_MONTH_NAMES = {name: i + 1 for i, name in enumerate("JAN FEB MAR APR MAY JUN JUL AUG SEP OCT NOV DEC".split())}
+_DAY_NAMES = {name: i for i, name in enumerate("SUN MON TUE WED THU FRI SAT".split())}
+_CRON_FIELDS = (
+    ("minute", 0, 59, {}),
+    ("hour", 0, 23, {}),
+    ("day of month", 1, 31, {}),
+    ("month", 1, 12, _MONTH_NAMES),
+    ("day of week", 0, 7, _DAY_NAMES),
+)
+
+
+def _cron_field(text: str, index: int, job: str) -> List[int]:
+    name, low, high, names = _CRON_FIELDS[index]
+
+    def number(token: str) -> int:
+        value = names.get(token.upper()) if names else None
+        if value is None:
+            if not token.isdigit():
+                raise ConfigError(f"cron {name} field: {token!r} is not a number or name", job=job, option="cron")
+            value = int(token)
+        if not low <= value <= high:
+            raise ConfigError(f"cron {name} field: {value} is outside {low}-{high}", job=job, option="cron")
+        return value
+
+    values: set[int] = set()
+    for item in text.split(","):
+        body, _, step_text = item.partition("/")
+        step = 1
+        if step_text:
+            if not step_text.isdigit() or int(step_text) == 0:
+                raise ConfigError(f"cron {name} field: bad step in {item!r}", job=job, option="cron")
+            step = int(step_text)
+        if body == "*":
+            first, last = low, high
+        elif "-" in body:
+            a, _, b = body.partition("-")
+            first, last = number(a), number(b)
+            if first > last:
+                raise ConfigError(f"cron {name} field: range {item!r} runs backwards", job=job, option="cron")
+        elif body:
+            first = number(body)
+            last = high if step_text else first
+        else:
+            raise ConfigError(f"cron {name} field: empty item in {text!r}", job=job, option="cron")
+        values.update(range(first, last + 1, step))
+    if index == 4 and 7 in values:
+        values.discard(7)
+        values.add(0)
+    return sorted(values)
+
+
+class _Cron(_Calendar):
+    def __init__(self, expr: str, zone: _dt.tzinfo, job: str):
+        text = _CRON_NICKNAMES.get(expr.strip().lower(), expr.strip())
+        fields = text.split()
+        if len(fields) != 5:
+            raise ConfigError(
+                f"cron expression {expr!r} must have 5 fields (minute hour day month weekday)", job=job, option="cron"
+            )
+        self.minutes, self.hours, days, months, weekdays = (_cron_field(f, i, job) for i, f in enumerate(fields))
+        self.days, self.months, self.weekdays = set(days), set(months), set(weekdays)
+        self.dom_star, self.dow_star = fields[2].startswith("*"), fields[4].startswith("*")
+        self.zone = zone
+        self.elapsed = fields[0].startswith("*") or fields[1].startswith("*")
+        self.description = f"cron {expr.strip()} {getattr(zone, 'key', None) or zone}"
+        if (self.dom_star or self.dow_star) and min(days) > max(_month_days(m) for m in months):
+            raise ConfigError(f"cron expression {expr!r} never fires", job=job, option="cron")
+
+    def _day_matches(self, day: _dt.date) -> bool:
+        dom = day.day in self.days
+        dow = (day.weekday() + 1) % 7 in self.weekdays
+        if self.dom_star or self.dow_star:
+            return dom and dow
+        return dom or dow
+
+    def _naive_after(self, naive: _dt.datetime) -> Optional[_dt.datetime]:
+        moment = naive.replace(second=0, microsecond=0) + _MINUTE
+        limit = moment.year + 30
+        while moment.year <= limit:
+            if moment.month not in self.months:
+                moment = (moment.replace(day=1, hour=0, minute=0) + _dt.timedelta(days=32)).replace(day=1)
+            elif not self._day_matches(moment.date()):
+                moment = moment.replace(hour=0, minute=0) + _dt.timedelta(days=1)
+            else:
+                hour = bisect.bisect_left(self.hours, moment.hour)
+                if hour == len(self.hours):
+                    moment = moment.replace(hour=0, minute=0) + _dt.timedelta(days=1)
+                    continue
+                if self.hours[hour] != moment.hour:
+                    moment = moment.replace(hour=self.hours[hour], minute=0)
+                minute = bisect.bisect_left(self.minutes, moment.minute)
+                if minute == len(self.minutes):
+                    moment = moment.replace(minute=0) + _dt.timedelta(hours=1)
+                    continue
+                return moment.replace(minute=self.minutes[minute])
+        return None
+
+
+def _month_days(month: int) -> int:
+    return 29 if month == 2 else 30 if month in (4, 6, 9, 11) else 31
+
+
+_RRULE_EPOCH = _dt.datetime(2000, 1, 1)
+_FREQ_STEP = {
+    _rrule.YEARLY: "years",
+    _rrule.MONTHLY: "months",
+    _rrule.WEEKLY: "weeks",
+    _rrule.DAILY: "days",
+    _rrule.HOURLY: "hours",
+    _rrule.MINUTELY: "minutes",
+    _rrule.SECONDLY: "seconds",
+}
+
+
+class _RRule(_Calendar):
+    def __init__(self, rule: Union[str, _rrule.rrule], zone: Optional[_dt.tzinfo], job: str):
+        if isinstance(rule, str):
+            rule = self._parse(rule, job)
+        if not isinstance(rule, _rrule.rrule):
+            raise ConfigError(f"rrule must be an RFC 5545 string or a dateutil rrule, not {rule!r}", job=job, option="rrule")
+        start: _dt.datetime = rule._dtstart  # type: ignore[attr-defined]
+        self.zone = zone or start.tzinfo or _local_zone()
+        replace: Dict[str, Any] = {"dtstart": start.astimezone(self.zone).replace(tzinfo=None) if start.tzinfo else start}
+        until = rule._until  # type: ignore[attr-defined]
+        if until is not None and until.tzinfo is not None:
+            replace["until"] = until.astimezone(self.zone).replace(tzinfo=None)
+        self.rule: _rrule.rrule = rule.replace(**replace)
+        self.freq: int = rule._freq  # type: ignore[attr-defined]
+        self.interval: int = rule._interval  # type: ignore[attr-defined]
+        self.elapsed = self.freq >= _rrule.HOURLY
+        self.description = f"rrule {rule_text(self.rule)} {getattr(self.zone, 'key', None) or self.zone}"
+        self._shifted: Optional[Tuple[_dt.datetime, _rrule.rrule]] = None
+
+    @staticmethod
+    def _parse(text: str, job: str) -> _rrule.rrule:
+        if "FREQ=" not in text.upper():
+            raise ConfigError(f"rrule {text!r} has no FREQ", job=job, option="rrule")
+        try:
+            parsed = _rrule.rrulestr(text.strip(), dtstart=_RRULE_EPOCH)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"cannot read rrule {text!r}: {exc}", job=job, option="rrule") from None
+        if not isinstance(parsed, _rrule.rrule):
+            raise ConfigError(f"rrule {text!r}: only one RRULE (with an optional DTSTART) is supported", job=job, option="rrule")
+        return parsed
+
+    def _rule_near(self, naive: _dt.datetime) -> _rrule.rrule:
+        """The rule with its start moved forward by whole intervals, close to ``naive``.
+
+        dateutil iterates from DTSTART; moving the start by whole intervals keeps every later
+        occurrence and keeps ``after()`` fast however old the start is.
+        """
+        start: _dt.datetime = self.rule._dtstart  # type: ignore[attr-defined]
+        if self.rule._count is not None or naive - start < _dt.timedelta(days=3):  # type: ignore[attr-defined]
+            return self.rule
+        if self._shifted is not None and self._shifted[0] <= naive < self._shifted[0] + _dt.timedelta(days=400):
+            return self._shifted[1]
+        unit = _FREQ_STEP[self.freq]
+        target = naive - _dt.timedelta(days=2)
+        delta = relativedelta(target, start)
+        whole = {
+            "years": delta.years,
+            "months": delta.years * 12 + delta.months,
+            "weeks": (target - start).days // 7,
+            "days": (target - start).days,
+            "hours": int((target - start).total_seconds() // 3600),
+            "minutes": int((target - start).total_seconds() // 60),
+            "seconds": int((target - start).total_seconds()),
+        }[unit]
+        steps = whole // self.interval * self.interval
+        moved = start + relativedelta(**{unit: steps})
+        if (moved.day, moved.hour, moved.minute, moved.second) != (start.day, start.hour, start.minute, start.second) and unit in ("years", "months"):
+            return self.rule
+        shifted = self.rule.replace(dtstart=moved)
+        self._shifted = (moved, shifted)
+        return shifted
+
+    def _naive_after(self, naive: _dt.datetime) -> Optional[_dt.datetime]:
+        found: Optional[_dt.datetime] = self._rule_near(naive).after(naive, inc=False)
+        return found
+
+
+def rule_text(rule: _rrule.rrule) -> str:
+    return str(rule).split("\n")[-1].replace("RRULE:", "")
+
+
+###############################################################################
+# The SQLite store ############################################################
+###############################################################################
+
+SCHEMA_VERSION = 1
+_SCHEMA = (
+    # One row per declared job: its pause flag and its watermark (every occurrence up to
+    # ``last_slot`` has been handled: run, skipped or missed).
+    """CREATE TABLE IF NOT EXISTS jobs (
+        name TEXT PRIMARY KEY,
+        schedule TEXT NOT NULL,
+        paused INTEGER NOT NULL DEFAULT 0,
+        last_slot INTEGER NOT NULL,
+        next_slot INTEGER
+    )""",
+    # One row per unfinished occurrence: waiting to be claimed, or running under a lease.
+    """CREATE TABLE IF NOT EXISTS runs (
+        job TEXT NOT NULL,
+        slot INTEGER NOT NULL,
+        attempt INTEGER NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
+        not_before INTEGER NOT NULL,
+        failures INTEGER NOT NULL DEFAULT 0,
+        owner TEXT,
+        owner_pid INTEGER,
+        owner_start INTEGER,
+        owner_ns TEXT,
+        boot_id TEXT,
+        lease_until REAL,
+        cancel INTEGER NOT NULL DEFAULT 0,
+        progress_done REAL,
+        progress_total REAL,
+        started_at INTEGER,
+        PRIMARY KEY (job, slot)
+    )""",
+    # One row per attempt, and per skipped or missed occurrence (attempt 0).
+    """CREATE TABLE IF NOT EXISTS history (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        job TEXT NOT NULL,
+        slot INTEGER NOT NULL,
+        attempt INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        instance TEXT,
+        started_at INTEGER,
+        finished_at INTEGER,
+        error TEXT,
+        UNIQUE (job, slot, attempt)
+    )""",
+    "CREATE INDEX IF NOT EXISTS history_by_job ON history (job, id)",
+    """CREATE TABLE IF NOT EXISTS checkpoints (
+        job TEXT NOT NULL,
+        slot INTEGER NOT NULL,
+        value TEXT NOT NULL,
+        updated_at INTEGER NOT NULL,
+        PRIMARY KEY (job, slot)
+    )""",
+)
+
+_SQL_REGISTER = "INSERT INTO jobs (name, schedule, last_slot) VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET schedule = excluded.schedule"
+_SQL_JOB = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs WHERE name = ?"
+_SQL_JOBS = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs ORDER BY name"
+_SQL_NEWEST_SLOT = "SELECT max(last_slot) FROM jobs"
+_SQL_ADVANCE = "UPDATE jobs SET last_slot = ?, next_slot = ? WHERE name = ? AND last_slot = ?"
+_SQL_SET_PAUSED = "UPDATE jobs SET paused = ?, last_slot = max(last_slot, ?) WHERE name = ?"
+_SQL_RUN_COLUMNS = (
+    "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
+    "lease_until, cancel, progress_done, progress_total, started_at"
+)
+_SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
+_SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS} FROM runs ORDER BY job, slot"
+_SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
+_SQL_INSERT_RUN = (
+    "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
+)
+_SQL_TAKE_RUN = (
+    "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
+    "owner_ns = ?, boot_id = ?, lease_until = ?, started_at = ?, progress_done = NULL, progress_total = NULL "
+    "WHERE job = ? AND slot = ?"
+)
+_SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
+_SQL_FENCE = "job = ? AND slot = ? AND attempt = ? AND owner = ? AND state = 'running'"
+_SQL_RENEW = f"UPDATE runs SET lease_until = ?, progress_done = ?, progress_total = ? WHERE {_SQL_FENCE}"
+_SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
+_SQL_RELEASE = (
+    "UPDATE runs SET state = 'pending', not_before = ?, failures = failures + ?, owner = NULL, "
+    "lease_until = NULL WHERE job = ? AND slot = ?"
+)
+_SQL_DELETE_RUN = "DELETE FROM runs WHERE job = ? AND slot = ?"
+_SQL_CANCEL = "UPDATE runs SET cancel = 1 WHERE job = ?"
+_SQL_CANCEL_PENDING = "SELECT slot, attempt FROM runs WHERE job = ? AND state = 'pending'"
+_SQL_RECORD = (
+    "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
+    "finished_at = excluded.finished_at, error = excluded.error"
+)
+_SQL_END_ATTEMPT = "UPDATE history SET status = ?, finished_at = ?, error = ? WHERE job = ? AND slot = ? AND attempt = ?"
+_SQL_SLOT_USED = "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
+_SQL_HISTORY = (
+    "SELECT job, slot, attempt, status, instance, started_at, finished_at, error FROM history "
+    "WHERE (? IS NULL OR job = ?) ORDER BY id DESC LIMIT ?"
+)
+_SQL_PRUNE_HISTORY = (
+    "DELETE FROM history WHERE job = ? AND id <= "
+    "(SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?)"
+)
+_SQL_PRUNE_CHECKPOINTS = (
+    "DELETE FROM checkpoints WHERE job = ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = checkpoints.job "
+    "AND r.slot = checkpoints.slot) AND NOT EXISTS (SELECT 1 FROM history h WHERE h.job = checkpoints.job "
+    "AND h.slot = checkpoints.slot)"
+)
+_SQL_CHECKPOINT_GET = "SELECT value FROM checkpoints WHERE job = ? AND slot = ?"
+_SQL_CHECKPOINT_SET = (
+    "INSERT INTO checkpoints (job, slot, value, updated_at) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at"
+)
+_SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owner:
+    """Who holds a run: the instance id and what tells whether its process still exists."""
+
+    instance: str
+    pid: int
+    start: Optional[int]
+    namespace: Optional[str]
+    boot_id: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobRow:
+    name: str
+    schedule: str
+    paused: bool
+    last_slot: int
+    next_slot: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunRow:
+    job: str
+    slot: int
+    attempt: int
+    state: str
+    not_before: int
+    failures: int
+    owner: Optional[str]
+    owner_pid: Optional[int]
+    owner_start: Optional[int]
+    owner_ns: Optional[str]
+    boot_id: Optional[str]
+    lease_until: Optional[float]
+    cancel: bool
+    progress_done: Optional[float]
+    progress_total: Optional[float]
+    started_at: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+    job: str
+    slot: int
+    attempt: int
+    failures: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """One history record: an attempt, or an occurrence that was skipped or missed (attempt 0)."""
+
+    job: str
+    slot: int
+    attempt: int
+    status: str
+    instance: Optional[str]
+    started_at: Optional[_dt.datetime]
+    finished_at: Optional[_dt.datetime]
+    error: Optional[str]
+
+    @property
+    def scheduled_at(self) -> _dt.datetime:
+        return _utc_from_ms(self.slot)
+
+
+def _dt_or_none(ms: Optional[int]) -> Optional[_dt.datetime]:
+    return None if ms is None else _utc_from_ms(ms)
+
+
+class _Store:
+    """All the SQL of anarchon_lite, behind one small interface.
+
+    Each method is one transaction on this object's own connection: read-then-write transactions
+    start with ``BEGIN IMMEDIATE`` so they wait (bounded by ``busy_timeout``) for the write lock
+    instead of failing on an upgrade, and every write of an attempt checks in the same transaction
+    that the attempt still holds its run (the fence). A store object belongs to one thread at a time.
+    A PostgreSQL store for several hosts would implement the same methods.
+    """
+
+    def __init__(self, path: str, *, busy_timeout: float = 30.0, synchronous: str = "FULL"):
+        self.path = path
+        self._busy_timeout = busy_timeout
+        self._synchronous = synchronous
+        self._conn: Optional[sqlite3.Connection] = None
+
+    # -- connection -------------------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is not None:
+            return self._conn
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise StoreError(self.path, f"directory {directory} does not exist")
+        try:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.close(descriptor)
+        except OSError as exc:
+            raise StoreError(self.path, f"cannot open the database file for writing: {exc.strerror}") from None
+        try:
+            conn = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise StoreError(self.path, f"cannot open the database: {exc}") from None
+        try:
+            self._prepare(conn)
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    self.path,
+                    f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})",
+                )
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StoreError(self.path, f"cannot switch to WAL mode (got {mode})")
+            conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+            if version < SCHEMA_VERSION:
+                self._create_schema(conn)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(self.path, _explain(exc)) from None
+
+    def _create_schema(self, conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``work`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any error."""
+        conn = self._connect()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreError(self.path, _explain(exc)) from None
+        try:
+            result = work(conn)
+            conn.execute("COMMIT")
+            return result
+        except BaseException as exc:
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(self.path, _explain(exc)) from None
+            raise
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> List[Any]:
+        conn = self._connect()
+        try:
+            return conn.execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(self.path, _explain(exc)) from None
+
+    def data_version(self) -> int:
+        """A number that changes whenever another connection commits to the file."""
+        return int(self._read("PRAGMA data_version")[0][0])
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def register(self, names_and_schedules: Sequence[Tuple[str, str]], now_ms: int) -> None:
+        """Add jobs not yet in the file, with their watermark at ``now_ms`` (nothing missed)."""
+
+        def work(conn: sqlite3.Connection) -> None:
+            conn.executemany(_SQL_REGISTER, [(name, text, now_ms) for name, text in names_and_schedules])
+
+        self._write(work)
+
+    def jobs(self) -> List[_JobRow]:
+        return [_JobRow(r[0], r[1], bool(r[2]), r[3], r[4]) for r in self._read(_SQL_JOBS)]
+
+    def job(self, name: str) -> Optional[_JobRow]:
+        rows = self._read(_SQL_JOB, (name,))
+        return _JobRow(rows[0][0], rows[0][1], bool(rows[0][2]), rows[0][3], rows[0][4]) if rows else None
+
+    def newest_slot(self) -> Optional[int]:
+        value = self._read(_SQL_NEWEST_SLOT)[0][0]
+        return None if value is None else int(value)
+
+    def set_paused(self, name: str, paused: bool, now_ms: int) -> bool:
+        """Pause or resume; resuming moves the watermark to now, so a pause is not downtime."""
+
+        def work(conn: sqlite3.Connection) -> bool:
+            return conn.execute(_SQL_SET_PAUSED, (int(paused), 0 if paused else now_ms, name)).rowcount == 1
+
+        return self._write(work)
+
+    def runs(self) -> List[_RunRow]:
+        return [_run_row(r) for r in self._read(_SQL_RUNS)]
+
+    # -- claims -----------------------------------------------------------------------------------
+
+    def claim_due(
+        self,
+        job: str,
+        expected_last: int,
+        slot: int,
+        next_slot: Optional[int],
+        missed: Sequence[Tuple[int, Optional[str]]],
+        run: bool,
+        skip_if_busy: bool,
+        owner: _Owner,
+        lease_until: float,
+        now_ms: int,
+    ) -> Union[None, bool, _Claim]:
+        """Record the occurrences up to ``slot`` and claim ``slot`` for ``owner``.
+
+        Atomic compare-and-set on the job's watermark: returns ``None`` when another process moved
+        it first (nothing written), ``False`` when ``slot`` was recorded without running (skipped,
+        or missed when ``run`` is false), else the claim of attempt 1.
+        """
+
+        def work(conn: sqlite3.Connection) -> Union[None, bool, _Claim]:
+            if conn.execute(_SQL_ADVANCE, (slot, next_slot, job, expected_last)).rowcount != 1:
+                return None
+            records = [(job, s, 0, "missed", None, None, None, e) for s, e in missed]
+            conn.executemany(_SQL_RECORD, records)
+            if not run:
+                return False
+            if skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
+                conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished"))
+                return False
+            conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
+            return self._take(conn, job, slot, owner, lease_until, now_ms)
+
+        return self._write(work)
+
+    def _take(
+        self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, lease_until: float, now_ms: int
+    ) -> _Claim:
+        conn.execute(
+            _SQL_TAKE_RUN,
+            (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id, lease_until, now_ms, job, slot),
+        )
+        attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
+        conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner.instance, now_ms, None, None))
+        return _Claim(job, slot, attempt, failures)
+
+    def claim(
+        self,
+        expected: _RunRow,
+        owner: _Owner,
+        lease_until: float,
+        now_ms: int,
+        max_attempts: int,
+        skip_if_busy: bool,
+        reason: str = "",
+    ) -> Optional[_Claim]:
+        """Claim a pending run, or take over a running one whose owner is gone (``reason`` says why).
+
+        Compare-and-set on the whole row as the caller saw it: if the owner renewed its lease, or
+        someone else claimed first, nothing is written and ``None`` returned. A takeover records the
+        previous attempt as ``interrupted``. Past ``max_attempts`` the run is ``failed`` for good.
+        """
+
+        def work(conn: sqlite3.Connection) -> Optional[_Claim]:
+            rows = conn.execute(_SQL_RUN, (expected.job, expected.slot)).fetchall()
+            if not rows or _run_row(rows[0]) != expected:
+                return None
+            job, slot, attempt = expected.job, expected.slot, expected.attempt
+            if expected.state == "running":
+                conn.execute(_SQL_END_ATTEMPT, ("interrupted", now_ms, reason, job, slot, attempt))
+            if expected.cancel:
+                return self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
+            if attempt >= max_attempts:
+                return self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
+            if attempt == 0 and skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
+                conn.execute(_SQL_DELETE_RUN, (job, slot))
+                conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished"))
+                return None
+            return self._take(conn, job, slot, owner, lease_until, now_ms)
+
+        return self._write(work)
+
+    def _end(self, conn: sqlite3.Connection, row: _RunRow, status: str, error: str, now_ms: int) -> None:
+        conn.execute(_SQL_DELETE_RUN, (row.job, row.slot))
+        conn.execute(_SQL_RECORD, (row.job, row.slot, row.attempt, status, None, None, now_ms, error))
+        self._prune(conn, row.job)
+
+    # -- an attempt's writes (fenced) -------------------------------------------------------------
+
+    def renew(
+        self, claim: _Claim, owner: str, lease_until: float, progress: Tuple[Optional[float], Optional[float]]
+    ) -> Optional[bool]:
+        """Extend the lease; ``None`` if the attempt no longer holds the run, else the cancel flag."""
+        conn = self._connect()
+        try:
+            changed = conn.execute(
+                _SQL_RENEW, (lease_until, progress[0], progress[1], claim.job, claim.slot, claim.attempt, owner)
+            ).rowcount
+            if not changed:
+                return None
+            row = conn.execute(_SQL_IS_HELD, (claim.job, claim.slot, claim.attempt, owner)).fetchone()
+            return bool(row and row[0])
+        except sqlite3.Error as exc:
+            raise StoreError(self.path, _explain(exc)) from None
+
+    def finish(
+        self,
+        claim: _Claim,
+        owner: str,
+        status: str,
+        error: Optional[str],
+        now_ms: int,
+        then: str = "done",
+        not_before: int = 0,
+    ) -> bool:
+        """End an attempt with ``status``; ``then`` is ``"done"``, ``"retry"`` or ``"handover"``.
+
+        Fenced: returns False and writes nothing if the attempt no longer holds the run. ``retry``
+        and ``handover`` leave the run pending (claimable from ``not_before``) for the next attempt.
+        """
+
+        def work(conn: sqlite3.Connection) -> bool:
+            if not conn.execute(_SQL_IS_HELD, (claim.job, claim.slot, claim.attempt, owner)).fetchall():
+                return False
+            conn.execute(_SQL_END_ATTEMPT, (status, now_ms, error, claim.job, claim.slot, claim.attempt))
+            if then == "done":
+                conn.execute(_SQL_DELETE_RUN, (claim.job, claim.slot))
+                self._prune(conn, claim.job)
+            else:
+                conn.execute(_SQL_RELEASE, (not_before, int(then == "retry"), claim.job, claim.slot))
+            return True
+
+        return self._write(work)
+
+    def _prune(self, conn: sqlite3.Connection, job: str) -> None:
+        conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
+        conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
+
+    retention = 1000
+
+    # -- requests from any process ----------------------------------------------------------------
+
+    def trigger(self, job: str, now_ms: int) -> int:
+        """Record a run of ``job`` due now; return its slot (the next free millisecond)."""
+
+        def work(conn: sqlite3.Connection) -> int:
+            if conn.execute(_SQL_JOB, (job,)).fetchone() is None:
+                raise ConfigError("no such job in the database", job=job)
+            slot = now_ms
+            while conn.execute(_SQL_SLOT_USED, (job, slot, job, slot)).fetchone():
+                slot += 1
+            conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
+            return slot
+
+        return self._write(work)
+
+    def cancel(self, job: str, now_ms: int) -> int:
+        """Ask every unfinished run of ``job`` to stop; pending ones end as ``cancelled`` at once."""
+
+        def work(conn: sqlite3.Connection) -> int:
+            pending = conn.execute(_SQL_CANCEL_PENDING, (job,)).fetchall()
+            for slot, attempt in pending:
+                conn.execute(_SQL_DELETE_RUN, (job, slot))
+                conn.execute(_SQL_RECORD, (job, slot, attempt, "cancelled", None, None, now_ms, "cancelled"))
+            return int(conn.execute(_SQL_CANCEL, (job,)).rowcount) + len(pending)
+
+        return self._write(work)
+
+    # -- checkpoints and history ------------------------------------------------------------------
+
+    def checkpoint_get(self, job: str, slot: int) -> Optional[str]:
+        rows = self._read(_SQL_CHECKPOINT_GET, (job, slot))
+        return rows[0][0] if rows else None
+
+    def checkpoint_write(
+        self, job: str, slot: int, value: Optional[str], now_ms: int, fence: Optional[Tuple[int, str]]
+    ) -> bool:
+        """Set (or, with ``value`` None, delete) a checkpoint; with ``fence`` (attempt, owner), only
+        while that attempt holds the run. Returns whether it was written."""
+
+        def work(conn: sqlite3.Connection) -> bool:
+            if fence is not None and not conn.execute(_SQL_IS_HELD, (job, slot, fence[0], fence[1])).fetchall():
+                return False
+            if value is None:
+                conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
+            else:
+                conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms))
+            return True
+
+        return self._write(work)
+
+    def history(self, job: Optional[str], limit: int) -> List[RunRecord]:
+        return [
+            RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7])
+            for r in self._read(_SQL_HISTORY, (job, job, limit))
+        ]
+
+
+def _run_row(row: Sequence[Any]) -> _RunRow:
+    values = list(row)
+    values[12] = bool(values[12])
+    return _RunRow(*values)
+
+
+def _explain(exc: sqlite3.Error) -> str:
+    text = str(exc)
+    if "not a database" in text:
+        return "not an SQLite database (file is not a database)"
+    if "disk is full" in text or "database or disk is full" in text:
+        return "disk full: the database cannot grow (database or disk is full)"
+    if "readonly" in text or "read-only" in text:
+        return f"the database is read-only ({text})"
+    if "locked" in text or "busy" in text:
+        return f"the database stayed locked by another process past the busy timeout ({text})"
+    return text
+
+
+###############################################################################
+# Leases and heartbeats #######################################################
+###############################################################################
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> Optional[Tuple[str, int]]:
+    """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
+def _this_owner(instance: str) -> _Owner:
+    pid = os.getpid()
+    started = _process_start(pid)
+    namespace = None
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return _Owner(instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id"))
+
+
+def _owner_gone(row: _RunRow, me: _Owner) -> Optional[str]:
+    """Why the process that holds ``row`` no longer exists, or None when it may be alive.
+
+    Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
+    or a pid now used by a process that started at another time.
+    """
+    if row.boot_id and me.boot_id and row.boot_id != me.boot_id:
+        return "the owner's host rebooted"
+    if row.owner_pid is None or row.owner_ns is None or row.owner_ns != me.namespace or me.start is None:
+        return None
+    state = _process_start(row.owner_pid)
+    if state is None:
+        return f"owner process {row.owner_pid} exited"
+    if state[0] in ("Z", "X"):
+        return f"owner process {row.owner_pid} exited (zombie)"
+    if row.owner_start is not None and state[1] != row.owner_start:
+        return f"owner process {row.owner_pid} exited (pid reused)"
+    return None
+
+
+class _Timers(threading.Thread):
+    """One daemon thread that calls functions at monotonic deadlines (timeouts, watchdog).
+
+    It keeps firing while the event loop is blocked, which is the point of it. ``call_at``
+    returns a function that cancels the call.
+    """
+
+    def __init__(self, clock: Clock, name: str):
+        super().__init__(name=name, daemon=True)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._heap: List[Tuple[float, int, Callable[[], None]]] = []
+        self._cancelled: set[int] = set()
+        self._seq = 0
+        self._stopped = False
+
+    def call_at(self, deadline: float, callback: Callable[[], None]) -> Callable[[], None]:
+        with self._cond:
+            self._seq += 1
+            seq = self._seq
+            heapq.heappush(self._heap, (deadline, seq, callback))
+            self._cond.notify()
+        return functools.partial(self._cancel, seq)
+
+    def _cancel(self, seq: int) -> None:
+        with self._cond:
+            self._cancelled.add(seq)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped:
+                    if self._heap and self._heap[0][1] in self._cancelled:
+                        self._cancelled.discard(heapq.heappop(self._heap)[1])
+                        continue
+                    wait = self._heap[0][0] - self._clock.monotonic() if self._heap else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._cond.wait(wait if wait is None else min(wait, 1.0))
+                if self._stopped:
+                    return
+                _deadline, _seq, callback = heapq.heappop(self._heap)
+            try:
+                callback()
+            except Exception:
+                _log.exception("timer callback failed")
+
+
+@dataclasses.dataclass
+class _Lateness:
+    """Heartbeat lateness samples (seconds), kept for the benchmark and for ``status()``."""
+
+    samples: List[float] = dataclasses.field(default_factory=list)
+    lost: int = 0
+
+    def add(self, value: float) -> None:
+        if len(self.samples) < 100_000:
+            self.samples.append(value)
+
+
+class _Heartbeats(threading.Thread):
+    """Renews the leases of this process's running attempts from a thread of its own.
+
+    It uses its own SQLite connection (plain ``sqlite3``, one statement per renewal), so renewals
+    keep arriving while a handler computes in a thread or blocks the event loop: they need the GIL
+    only between two switch intervals. A renewal that finds the run taken aborts the attempt's token
+    with ``LeaseLost``; one that fails (lock held too long, disk error) is retried until it lands.
+    """
+
+    def __init__(self, path: str, clock: Clock, busy_timeout: float, name: str):
+        super().__init__(name=name, daemon=True)
+        self._store = _Store(path, busy_timeout=busy_timeout, synchronous="NORMAL")
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._plans: List[Tuple[float, int, _Attempt]] = []
+        self._stopped = False
+        self.lateness = _Lateness()
+
+    def add(self, attempt: _Attempt) -> None:
+        with self._cond:
+            heapq.heappush(self._plans, (self._clock.monotonic() + attempt.renew_every, id(attempt), attempt))
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopped:
+                        if self._plans and self._plans[0][2].done:
+                            heapq.heappop(self._plans)
+                            continue
+                        wait = self._plans[0][0] - self._clock.monotonic() if self._plans else None
+                        if wait is not None and wait <= 0:
+                            break
+                        self._cond.wait(wait)
+                    if self._stopped:
+                        return
+                    planned, key, attempt = heapq.heappop(self._plans)
+                next_plan = self._renew(planned, attempt)
+                with self._cond:
+                    if not attempt.done:
+                        heapq.heappush(self._plans, (next_plan, key, attempt))
+        finally:
+            self._store.close()
+
+    def _renew(self, planned: float, attempt: _Attempt) -> float:
+        try:
+            held = self._store.renew(
+                attempt.claim, attempt.owner, self._clock.monotonic() + attempt.lease, attempt.progress
+            )
+        except StoreError as exc:
+            _log.warning("%s slot %s: lease renewal failed, retrying: %s", attempt.claim.job, attempt.claim.slot, exc)
+            return self._clock.monotonic() + min(attempt.renew_every, 0.2)
+        self.lateness.add(self._clock.monotonic() - planned)
+        if held is None:
+            self.lateness.lost += 1
+            attempt.token.abort(LeaseLost(f"{attempt.claim.job}: the run was taken over by another attempt"))
+            attempt.done = True
+        elif held:
+            attempt.token.abort(Cancelled(f"{attempt.claim.job}: cancelled"))
+        return max(planned + attempt.renew_every, self._clock.monotonic() + attempt.renew_every / 4)
+
+
+class _Watchdog:
+    """Warns when the event loop stays blocked past ``threshold`` seconds while handlers run.
+
+    A timer thread posts a ping to the loop; a ping unanswered past the threshold means the loop is
+    blocked, unless the timer thread itself woke that late (the whole process was frozen or
+    suspended), in which case nothing is reported.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timers: _Timers, clock: Clock, threshold: float, describe: Callable[[int], str]):
+        self._loop, self._timers, self._clock = loop, timers, clock
+        self._threshold = threshold
+        self._describe = describe
+        self._loop_thread = threading.get_ident()
+        self._active = 0
+        self._sent: Optional[float] = None
+        self._warned = False
+        self._planned = 0.0
+        self._cancel: Callable[[], None] = _nothing
+        self._lock = threading.Lock()
+        self.warnings = 0
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._active += 1
+            if self._active == 1:
+                self._schedule()
+
+    def release(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._cancel()
+                self._sent = None
+
+    def _schedule(self) -> None:
+        self._planned = self._clock.monotonic() + self._threshold / 4
+        self._cancel = self._timers.call_at(self._planned, self._tick)
+
+    def _pong(self) -> None:
+        self._sent = None
+        self._warned = False
+
+    def _tick(self) -> None:
+        now = self._clock.monotonic()
+        with self._lock:
+            if self._active == 0:
+                return
+            frozen = now - self._planned > self._threshold / 2
+            if self._sent is None or frozen:
+                self._sent = now
+                try:
+                    self._loop.call_soon_threadsafe(self._pong)
+                except RuntimeError:
+                    return
+            elif now - self._sent > self._threshold and not self._warned:
+                self._warned = True
+                self.warnings += 1
+                _log.warning(
+                    "the event loop has been blocked for %.1f s: %s", now - self._sent, self._describe(self._loop_thread)
+                )
+            self._schedule()
+
+
+###############################################################################
+# The scheduler ###############################################################
+###############################################################################
+
+_OVERLAP = ("skip", "allow")
+_ON_TIME = 5.0  # seconds: an occurrence found later than this after its time was missed (downtime)
+_MISSED_RECORDS = 100
+_current_attempt: contextvars.ContextVar[Optional[_Attempt]] = contextvars.ContextVar("anarchon_attempt", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    timeout: Optional[float]
+    overlap: str
+    lease: float
+    retries: int
+    retry_delay: float
+    max_attempts: int
+    grace: float
+    catch_up: Optional[float]
+
+
+def _options(job: str, given: Dict[str, Any]) -> _Options:
+    known = {"timeout", "overlap", "lease", "retries", "retry_delay", "max_attempts", "grace", "catch_up"}
+    for key in given:
+        if key not in known:
+            raise ConfigError(f"unknown option (known: {', '.join(sorted(known))})", job=job, option=key)
+
+    def duration(key: str, default: Optional[DurationLike]) -> Optional[float]:
+        value = given.get(key, default)
+        return None if value is None else parse_duration(value, job=job, option=key)
+
+    def count(key: str, default: int, low: int) -> int:
+        value = given.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"must be an integer >= {low}, got {value!r}", job=job, option=key)
+        return value
+
+    overlap = given.get("overlap", "skip")
+    if overlap not in _OVERLAP:
+        raise ConfigError(f"must be 'skip' or 'allow', got {overlap!r}", job=job, option="overlap")
+    return _Options(
+        timeout=duration("timeout", None),
+        overlap=overlap,
+        lease=duration("lease", "30s") or 30.0,
+        retries=count("retries", 0, 0),
+        retry_delay=duration("retry_delay", "1s") or 1.0,
+        max_attempts=count("max_attempts", 10, 1),
+        grace=duration("grace", "10s") or 10.0,
+        catch_up=duration("catch_up", None),
+    )
+
+
+@dataclasses.dataclass
+class _Job:
+    name: str
+    schedule: _Schedule
+    handler: Handler
+    options: _Options
+    is_async: bool
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """A running attempt in this process: what the heartbeat thread and the scheduler share."""
+
+    job: _Job
+    claim: _Claim
+    owner: str
+    token: CancelToken
+    lease: float
+    renew_every: float
+    progress: Tuple[Optional[float], Optional[float]] = (None, None)
+    done: bool = False
+
+
+class _JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    def process(self, msg: Any, kwargs: Any) -> Tuple[Any, Any]:
+        extra = self.extra or {}
+        return f"[{extra['job']} slot={extra['slot']} attempt={extra['attempt']}] {msg}", kwargs
+
+
+class CheckpointStore:
+    """The checkpoints of every (job, slot), as in the recipe: ``get``, ``set``, ``delete``.
+
+    Values are anything JSON can hold; one that it cannot is refused with ``TypeError`` before
+    anything is written. Called from inside a run for that run's own job and slot, writes are
+    fenced: they land only while the attempt holds the run, else they raise ``LeaseLost``.
+    Writes are visible to every process once they return.
+    """
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler = scheduler
+
+    async def get(self, job: str, slot: int, default: Any = None) -> Any:
+        """The value saved for (job, slot), or ``default``."""
+        text = await self._scheduler._call_store(lambda s: s.checkpoint_get(job, slot))
+        return default if text is None else json.loads(text)
+
+    async def set(self, job: str, slot: int, value: Any) -> None:
+        """Save ``value`` for (job, slot)."""
+        await self._write(job, slot, _to_json(value), _current_attempt.get())
+
+    async def delete(self, job: str, slot: int) -> None:
+        """Forget the value of (job, slot)."""
+        await self._write(job, slot, None, _current_attempt.get())
+
+    async def _write(self, job: str, slot: int, text: Optional[str], attempt: Optional[_Attempt]) -> None:
+        fence = None
+        if attempt is not None and (attempt.claim.job, attempt.claim.slot) == (job, slot):
+            fence = (attempt.claim.attempt, attempt.owner)
+        now = _ms(self._scheduler._clock.time())
+        written = await self._scheduler._call_store(lambda s: s.checkpoint_write(job, slot, text, now, fence))
+        if not written and attempt is not None:
+            reason = LeaseLost(f"{job}: checkpoint refused, the run was taken over by another attempt")
+            attempt.token.abort(reason)
+            raise reason
+
+
+def _to_json(value: Any) -> str:
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"checkpoint value must be JSON-serialisable: {exc}") from None
+
+
+class Checkpoint:
+    """``ctx.checkpoint``: the checkpoint of one run, shared by all its attempts (fenced writes).
+
+    The ``*_sync`` forms are for plain-function handlers running in a worker thread.
+    """
+
+    def __init__(self, store: CheckpointStore, attempt: _Attempt, loop: asyncio.AbstractEventLoop):
+        self._store, self._attempt, self._loop = store, attempt, loop
+        self._job, self._slot = attempt.claim.job, attempt.claim.slot
+
+    async def get(self, default: Any = None) -> Any:
+        """The saved value, or ``default``."""
+        return await self._store.get(self._job, self._slot, default)
+
+    async def set(self, value: Any) -> None:
+        """Save ``value``; raises ``LeaseLost`` (and aborts the run's token) if the run was taken over."""
+        await self._store._write(self._job, self._slot, _to_json(value), self._attempt)
+
+    async def delete(self) -> None:
+        """Forget the saved value (fenced like ``set``)."""
+        await self._store._write(self._job, self._slot, None, self._attempt)
+
+    def get_sync(self, default: Any = None) -> Any:
+        return self._blocking(self.get(default))
+
+    def set_sync(self, value: Any) -> None:
+        _to_json(value)
+        self._blocking(self.set(value))
+
+    def delete_sync(self) -> None:
+        self._blocking(self.delete())
+
+    def _blocking(self, coroutine: Awaitable[T]) -> T:
+        return asyncio.run_coroutine_threadsafe(_await(coroutine), self._loop).result()
+
+
+async def _await(coroutine: Awaitable[T]) -> T:
+    return await coroutine
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a handler receives: the run's identity, its cancellation token and its checkpoint."""
+
+    job: str
+    slot: int
+    scheduled_at: _dt.datetime
+    attempt: int
+    signal: CancelToken
+    checkpoint: Checkpoint
+    instance: str
+    log: logging.LoggerAdapter  # type: ignore[type-arg]
+    _attempt: _Attempt = dataclasses.field(repr=False)
+
+    def progress(self, done: float, total: Optional[float] = None) -> None:
+        """Report progress; it travels with the next heartbeat, never as a write of its own."""
+        self._attempt.progress = (float(done), None if total is None else float(total))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """A running (or waiting) attempt, as ``status()`` reports it."""
+
+    job: str
+    slot: int
+    attempt: int
+    state: str
+    owner: Optional[str]
+    started_at: Optional[_dt.datetime]
+    age: Optional[float]
+    progress: Optional[Tuple[float, Optional[float]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStatus:
+    """One job, as ``status()`` reports it."""
+
+    name: str
+    schedule: str
+    paused: bool
+    next_at: Optional[_dt.datetime]
+    runs: Tuple[RunInfo, ...]
+
+
+@dataclasses.dataclass
+class _Outcome:
+    status: Optional[str]  # None: the attempt lost its run, nothing to write
+    error: Optional[str] = None
+    retryable: bool = False
+
+
+class Scheduler:
+    """Runs declared jobs from one SQLite file shared with other processes on this host.
+
+    ``path`` is the database file (created on first use, mode 0600); ``instance`` a readable id
+    for this process (default: host, pid and a random suffix). Other keyword arguments are for
+    tests and tuning: ``clock`` (a ``Clock``), ``poll`` (seconds between looks at the file, at most
+    1), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
+    per job), ``blocked_warning`` (seconds of a blocked event loop before a warning).
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],  # type: ignore[type-arg]
+        *,
+        instance: Optional[str] = None,
+        clock: Optional[Clock] = None,
+        poll: float = 0.5,
+        busy_timeout: float = 30.0,
+        retention: int = 1000,
+        blocked_warning: float = 1.0,
+    ):
+        self.path = os.fspath(path)
+        self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
+        self._clock = clock or Clock()
+        self._poll = min(poll, 1.0)
+        self._busy_timeout = busy_timeout
+        self._retention = retention
+        self._blocked_warning = blocked_warning
+        self._jobs: Dict[str, _Job] = {}
+        self._store: Optional[_Store] = None
+        self._store_thread: Optional[_StoreThread] = None
+        self._registered = False
+        self._owner = _this_owner(self.instance)
+        self._attempts: Dict[Tuple[str, int], _Attempt] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._signal_tasks: set[asyncio.Task[None]] = set()
+        self._main: Optional[asyncio.Task[None]] = None
+        self._stopping = False
+        self._stop_grace = 10.0
+        self._wake: Optional[asyncio.Event] = None
+        self._heartbeats: Optional[_Heartbeats] = None
+        self._timers: Optional[_Timers] = None
+        self._watchdog: Optional[_Watchdog] = None
+        self._clock_warned = False
+        self.checkpoints = CheckpointStore(self)
+
+    # -- declaring jobs ---------------------------------------------------------------------------
+
+    def every(self, name: str, interval: DurationLike, handler: Optional[Handler] = None, *, offset: DurationLike = 0, **options: Any) -> Any:
+        """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
+        seconds = parse_duration(interval, job=name, option="interval")
+        empty = offset == 0 or offset == _dt.timedelta(0)
+        shift = 0.0 if empty else parse_duration(offset, job=name, option="offset")
+        return self._declare(name, _Every(seconds, shift), handler, options)
+
+    def cron(self, name: str, expr: str, handler: Optional[Handler] = None, *, tz: Union[None, str, _dt.tzinfo] = None, **options: Any) -> Any:
+        """Run ``handler`` on a 5-field cron schedule in zone ``tz`` (default: the local zone)."""
+        if not isinstance(expr, str):
+            raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
+        return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
+
+    def rrule(self, name: str, rule: Union[str, _rrule.rrule], handler: Optional[Handler] = None, *, tz: Union[None, str, _dt.tzinfo] = None, **options: Any) -> Any:
+        """Run ``handler`` on an RFC 5545 recurrence rule (string or ``dateutil.rrule.rrule``)."""
+        zone = None if tz is None else _zone(tz, name)
+        return self._declare(name, _RRule(rule, zone, name), handler, options)
+
+    def _declare(self, name: str, schedule: _Schedule, handler: Optional[Handler], given: Dict[str, Any]) -> Any:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"job name must be a non-empty string, not {name!r}")
+        if name in self._jobs:
+            raise ConfigError("a job with this name is already declared", job=name)
+        options = _options(name, given)
+
+        def register(function: Handler) -> Handler:
+            if not callable(function):
+                raise ConfigError(f"handler must be callable, not {function!r}", job=name)
+            if name in self._jobs:
+                raise ConfigError("a job with this name is already declared", job=name)
+            is_async = inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+            self._jobs[name] = _Job(name, schedule, function, options, is_async)
+            self._registered = False
+            return function
+
+        return register if handler is None else register(handler)
+
+    def upcoming(self, name: str, count: int = 5, after: Optional[_dt.datetime] = None) -> List[_dt.datetime]:
+        """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now),
+        as aware UTC datetimes. Pure schedule math: no database, no clock but the default."""
+        job = self._job(name)
+        if after is None:
+            cursor = _ms(self._clock.time())
+        else:
+            if after.tzinfo is None:
+                raise ConfigError("'after' must be a timezone-aware datetime", job=name, option="after")
+            cursor = _ms_from_dt(after)
+        found = []
+        for _ in range(count):
+            following = job.schedule.next_after(cursor)
+            if following is None:
+                break
+            found.append(_utc_from_ms(following))
+            cursor = following
+        return found
+
+    def _job(self, name: str) -> _Job:
+        job = self._jobs.get(name)
+        if job is None:
+            raise ConfigError("no such job is declared", job=name)
+        return job
+
+    # -- the store, from the event loop -----------------------------------------------------------
+
+    async def _call_store(self, work: Callable[[_Store], T]) -> T:
+        """Run ``work(store)`` on the store's own thread; the transaction completes even if the
+        awaiting task is cancelled."""
+        if self._store_thread is None:
+            self._store_thread = _StoreThread(_Store(self.path, busy_timeout=self._busy_timeout))
+            self._store_thread.store.retention = self._retention
+        thread = self._store_thread
+        if not self._registered and self._jobs:
+            now = _ms(self._clock.time())
+            jobs = [(job.name, job.schedule.description) for job in self._jobs.values()]
+            await thread.call(lambda s: s.register(jobs, now))
+            self._registered = True
+        return await thread.call(work)
+
+    # -- control from any process ----------------------------------------------------------------
+
+    async def trigger(self, name: str) -> int:
+        """Record a run of ``name`` due now and return its slot (ms); a process declaring the job
+        runs it. Works whether or not this scheduler is running."""
+        now = _ms(self._clock.time())
+        slot = await self._call_store(lambda s: s.trigger(name, now))
+        self._poke()
+        return slot
+
+    async def pause(self, name: str) -> None:
+        """Stop scheduling ``name`` on every process (runs in progress carry on)."""
+        await self._set_paused(name, True)
+
+    async def resume(self, name: str) -> None:
+        """Restart the schedule of ``name``; occurrences during the pause are not run or recorded."""
+        await self._set_paused(name, False)
+
+    async def _set_paused(self, name: str, paused: bool) -> None:
+        now = _ms(self._clock.time())
+        if not await self._call_store(lambda s: s.set_paused(name, paused, now)):
+            raise ConfigError("no such job in the database", job=name)
+        self._poke()
+
+    async def cancel(self, name: str) -> int:
+        """Abort every unfinished run of ``name`` with ``Cancelled``, on whichever process holds it."""
+        now = _ms(self._clock.time())
+        count = await self._call_store(lambda s: s.cancel(name, now))
+        for (job, _slot), attempt in list(self._attempts.items()):
+            if job == name:
+                attempt.token.abort(Cancelled(f"{name}: cancelled"))
+        return count
+
+    async def history(self, job: Optional[str] = None, limit: int = 100) -> List[RunRecord]:
+        """The newest ``limit`` records (of ``job``, or of every job), newest first."""
+        return await self._call_store(lambda s: s.history(job, limit))
+
+    async def status(self) -> List[JobStatus]:
+        """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
+        jobs, runs = await self._call_store(lambda s: (s.jobs(), s.runs()))
+        now_wall = self._clock.time()
+        result = []
+        for row in jobs:
+            declared = self._jobs.get(row.name)
+            following = declared.schedule.next_after(max(row.last_slot, _ms(now_wall))) if declared else row.next_slot
+            infos = tuple(_run_info(r, now_wall) for r in runs if r.job == row.name)
+            result.append(JobStatus(row.name, row.schedule, row.paused, _dt_or_none(following), infos))
+        return result
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the scheduler until ``stop()`` (or SIGTERM/SIGINT, when on the main thread)."""
+        loop = asyncio.get_running_loop()
+        installed = []
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                try:
+                    loop.add_signal_handler(signum, self._on_signal, signum)
+                    installed.append(signum)
+                except (NotImplementedError, RuntimeError):
+                    pass
+        self._main = asyncio.current_task()
+        try:
+            await self._serve()
+        finally:
+            for signum in installed:
+                loop.remove_signal_handler(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        _log.info("received %s: stopping", signal.Signals(signum).name)
+        task = asyncio.get_running_loop().create_task(self.stop())
+        self._signal_tasks.add(task)
+        task.add_done_callback(self._signal_tasks.discard)
+
+    async def __aenter__(self) -> Scheduler:
+        self._main = asyncio.get_running_loop().create_task(self._serve())
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.stop()
+
+    async def stop(self, grace: DurationLike = 10.0) -> None:
+        """Stop claiming work, abort running handlers with ``Shutdown``, wait up to ``grace`` for
+        them, and hand their runs over to the next process (another live one takes them at once)."""
+        self._stop_grace = parse_duration(grace, option="grace")
+        self._stopping = True
+        for attempt in list(self._attempts.values()):
+            attempt.token.abort(Shutdown(f"{self.instance} is stopping"))
+        self._poke()
+        main = self._main
+        if main is not None and main is not asyncio.current_task():
+            await asyncio.wait({main})
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._wake = asyncio.Event()
+        self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
+        self._heartbeats = _Heartbeats(self.path, self._clock, self._busy_timeout, f"anarchon-heartbeat-{self.instance}")
+        self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
+        self._timers.start()
+        self._heartbeats.start()
+        loop_state = _LoopState()
+        try:
+            while not self._stopping:
+                try:
+                    await self._tick(loop_state)
+                except StoreError as exc:
+                    _log.error("%s", exc)
+                    loop_state.delay = min(max(loop_state.delay * 2, self._poll), 5.0)
+                else:
+                    loop_state.delay = 0.0
+                await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
+            await self._drain()
+        finally:
+            self._timers.stop()
+            self._heartbeats.stop()
+            if self._store_thread is not None:
+                self._store_thread.close()
+                self._store_thread = None
+            self._registered = False
+
+    async def _sleep(self, seconds: float) -> None:
+        assert self._wake is not None
+        if seconds > 0 and not self._wake.is_set():
+            try:
+                await asyncio.wait_for(self._wake.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
+        self._wake.clear()
+
+    async def _drain(self) -> None:
+        """After a stop: wait up to the stop grace for the attempts, which hand their runs over."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self._stop_grace + 1.0)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=1.0)
+
+    # -- one look at the file ---------------------------------------------------------------------
+
+    async def _tick(self, state: _LoopState) -> None:
+        now = self._clock.time()
+        now_ms = _ms(now)
+        version = await self._call_store(lambda s: s.data_version())
+        if version != state.version or state.runs is None:
+            state.jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
+            state.newest = newest or 0
+            state.version = version
+        if now_ms < state.newest:
+            if not self._clock_warned:
+                _log.warning(
+                    "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
+                    "until it is corrected",
+                    _utc_from_ms(now_ms).isoformat(),
+                    self.path,
+                    _utc_from_ms(state.newest).isoformat(),
+                )
+                self._clock_warned = True
+            state.wait = self._poll
+            return
+        self._clock_warned = False
+        wait = self._poll
+        for row in state.jobs or []:
+            job = self._jobs.get(row.name)
+            if job is None or row.paused:
+                continue
+            due = job.schedule.next_after(row.last_slot)
+            if due is not None and due <= now_ms:
+                await self._fire(job, row, now_ms)
+                state.version = -1
+                wait = 0.0
+            elif due is not None:
+                wait = min(wait, (due - now_ms) / 1000)
+        for run in state.runs or []:
+            if await self._consider(run, now_ms):
+                state.version = -1
+        state.wait = wait
+
+    async def _fire(self, job: _Job, row: _JobRow, now_ms: int) -> None:
+        """Handle the due occurrences of ``job`` after its watermark: run, skip, catch up or miss."""
+        plan = _plan_due(job, row.last_slot, now_ms)
+        lease_until = self._clock.monotonic() + job.options.lease
+        claim = await self._call_store(
+            lambda s: s.claim_due(
+                job.name, row.last_slot, plan.slot, plan.next_slot, plan.missed, plan.run,
+                job.options.overlap == "skip", self._owner, lease_until, now_ms,
+            )
+        )
+        if isinstance(claim, _Claim):
+            self._start(job, claim)
+
+    async def _consider(self, run: _RunRow, now_ms: int) -> bool:
+        """Claim a pending run, take over one whose owner is gone, or notice changes to our own."""
+        mine = self._attempts.get((run.job, run.slot))
+        if mine is not None:
+            # The snapshot may predate our own claim; only a newer attempt means a takeover.
+            if run.attempt > mine.claim.attempt:
+                mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
+            elif run.cancel and run.attempt == mine.claim.attempt:
+                mine.token.abort(Cancelled(f"{run.job}: cancelled"))
+            return False
+        job = self._jobs.get(run.job)
+        if job is None or self._stopping:
+            return False
+        reason = ""
+        if run.state == "pending":
+            if run.not_before > now_ms:
+                return False
+        else:
+            gone = _owner_gone(run, self._owner)
+            expired = run.lease_until is not None and run.lease_until < self._clock.monotonic()
+            if gone is None and not expired:
+                return False
+            reason = gone or "lease expired"
+        lease_until = self._clock.monotonic() + job.options.lease
+        claim = await self._call_store(
+            lambda s: s.claim(run, self._owner, lease_until, now_ms, job.options.max_attempts, job.options.overlap == "skip", reason)
+        )
+        if claim is not None:
+            self._start(job, claim)
+        return True
+
+    # -- one attempt ------------------------------------------------------------------------------
+
+    def _start(self, job: _Job, claim: _Claim) -> None:
+        attempt = _Attempt(
+            job, claim, self.instance, CancelToken(), job.options.lease, max(job.options.lease / 3, 0.05)
+        )
+        self._attempts[(claim.job, claim.slot)] = attempt
+        task = asyncio.get_running_loop().create_task(self._run_attempt(attempt))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_attempt(self, attempt: _Attempt) -> None:
+        assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
+        job, claim, token = attempt.job, attempt.claim, attempt.token
+        self._heartbeats.add(attempt)
+        self._watchdog.acquire()
+        cancel_timeout = _nothing
+        if job.options.timeout is not None:
+            limit = job.options.timeout
+            cancel_timeout = self._timers.call_at(
+                self._clock.monotonic() + limit,
+                lambda: token.abort(RunTimeout(f"{job.name}: timed out after {format_duration(limit)}")),
+            )
+        try:
+            outcome = await self._call_handler(attempt)
+        finally:
+            cancel_timeout()
+            attempt.done = True
+            self._watchdog.release()
+            self._attempts.pop((claim.job, claim.slot), None)
+        await self._settle(attempt, outcome)
+
+    def _context(self, attempt: _Attempt) -> RunContext:
+        claim = attempt.claim
+        loop = asyncio.get_running_loop()
+        logger = _JobLog(logging.getLogger(f"anarchon_lite.job.{claim.job}"), {"job": claim.job, "slot": claim.slot, "attempt": claim.attempt})
+        return RunContext(
+            job=claim.job,
+            slot=claim.slot,
+            scheduled_at=_utc_from_ms(claim.slot),
+            attempt=claim.attempt,
+            signal=attempt.token,
+            checkpoint=Checkpoint(self.checkpoints, attempt, loop),
+            instance=self.instance,
+            log=logger,
+            _attempt=attempt,
+        )
+
+    async def _call_handler(self, attempt: _Attempt) -> _Outcome:
+        """Run the handler; after an abort, give it its grace period, then cancel (async) or
+        abandon (thread) it. Returns what the attempt's record should say."""
+        ctx = self._context(attempt)
+        token = attempt.token
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        context.run(_current_attempt.set, attempt)
+        work: asyncio.Future[Any]
+        if attempt.job.is_async:
+            work = context.run(loop.create_task, _await(attempt.job.handler(ctx)))
+        else:
+            work = loop.create_future()
+            _start_thread(attempt.job.handler, ctx, context, work, loop)
+        aborted = asyncio.ensure_future(token.wait())
+        try:
+            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                grace = attempt.job.options.grace
+                if isinstance(token.reason, Shutdown):
+                    grace = min(grace, self._stop_grace)
+                await asyncio.wait({work}, timeout=grace)
+            if not work.done() and isinstance(work, asyncio.Task):
+                work.cancel()
+                await asyncio.wait({work}, timeout=attempt.job.options.grace)
+        finally:
+            aborted.cancel()
+        return _outcome(work, token, attempt.job.options.grace)
+
+    async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
+        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced)."""
+        if outcome.status is None:
+            return
+        claim, options = attempt.claim, attempt.job.options
+        then, not_before = "done", 0
+        now_ms = _ms(self._clock.time())
+        if outcome.status == "interrupted":
+            then, not_before = "handover", now_ms
+        elif outcome.retryable and claim.failures < options.retries:
+            then, not_before = "retry", now_ms + _ms(options.retry_delay * 2**claim.failures)
+        for tries in range(60):
+            try:
+                await self._call_store(lambda s: s.finish(claim, self.instance, outcome.status or "", outcome.error, now_ms, then, not_before))
+                break
+            except StoreError as exc:
+                _log.error("%s slot %s: cannot record the end of attempt %s, retrying: %s", claim.job, claim.slot, claim.attempt, exc)
+                await asyncio.sleep(min(0.1 * 2**tries, 5.0))
+        self._poke()
+
+    def _describe_block(self, thread_id: int) -> str:
+        frame = sys._current_frames().get(thread_id)
+        handlers = {job.handler.__code__: job.name for job in self._jobs.values() if hasattr(job.handler, "__code__")}
+        innermost = None
+        job_name = None
+        while frame is not None:
+            if innermost is None and not frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)):
+                innermost = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if frame.f_code in handlers:
+                job_name = handlers[frame.f_code]
+                break
+            frame = frame.f_back
+        return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
+
+
+@dataclasses.dataclass
+class _LoopState:
+    version: int = -1
+    jobs: Optional[List[_JobRow]] = None
+    runs: Optional[List[_RunRow]] = None
+    newest: int = 0
+    wait: float = 0.0
+    delay: float = 0.0
+
+
+class _StoreThread:
+    """The thread on which the scheduler's store connection lives; calls are queued to it."""
+
+    def __init__(self, store: _Store):
+        import concurrent.futures
+
+        self.store = store
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="anarchon-store")
+
+    async def call(self, work: Callable[[_Store], T]) -> T:
+        future = self._executor.submit(work, self.store)
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def close(self) -> None:
+        self._executor.submit(self.store.close)
+        self._executor.shutdown(wait=False)
+
+
+def _start_thread(
+    handler: Handler, ctx: RunContext, context: contextvars.Context, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+) -> None:
+    def body() -> None:
+        try:
+            result = context.run(handler, ctx)
+        except BaseException as exc:  # handed to the awaiting task, which judges it
+            loop.call_soon_threadsafe(_set_exception, future, exc)
+        else:
+            loop.call_soon_threadsafe(_set_result, future, result)
+
+    threading.Thread(target=body, name=f"anarchon-{ctx.job}", daemon=True).start()
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+_ABORT_STATUS = {Shutdown: "interrupted", Cancelled: "cancelled", RunTimeout: "timed_out"}
+
+
+def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Outcome:
+    """Judge how an attempt ended, from its handler's result and its token's reason."""
+    reason = token.reason
+    if isinstance(reason, LeaseLost):
+        return _Outcome(None)
+    if isinstance(reason, RunTimeout):
+        return _Outcome("timed_out", str(reason), retryable=True)
+    if not work.done() or work.cancelled():
+        status = next((s for cls, s in _ABORT_STATUS.items() if isinstance(reason, cls)), "failed")
+        return _Outcome(status, f"did not return within the {format_duration(grace)} grace period after: {reason}")
+    exc = work.exception()
+    if exc is None:
+        return _Outcome("succeeded")
+    if isinstance(exc, LeaseLost):
+        return _Outcome(None)
+    if isinstance(exc, Aborted):
+        status = next(s for cls, s in _ABORT_STATUS.items() if isinstance(exc, cls))
+        return _Outcome(status, f"{type(exc).__name__}: {exc}", retryable=status == "timed_out")
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:])
+    return _Outcome("failed", text.strip()[-2000:], retryable=True)
+
+
+def _run_info(row: _RunRow, now: float) -> RunInfo:
+    started = _dt_or_none(row.started_at)
+    progress = None if row.progress_done is None else (row.progress_done, row.progress_total)
+    age = None if row.started_at is None or row.state != "running" else max(0.0, now - row.started_at / 1000)
+    return RunInfo(row.job, row.slot, row.attempt, row.state, row.owner, started, age, progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    slot: int
+    next_slot: Optional[int]
+    run: bool
+    missed: List[Tuple[int, Optional[str]]]
+
+
+def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
+    """Decide what to do with the occurrences of ``job`` after ``last_slot`` that are due by now.
+
+    An occurrence found no later than ``_ON_TIME`` after its time runs. Older ones are downtime
+    (no process was running, or the clock jumped forward): if no occurrence is on time, the newest
+    late one runs when it is younger than ``catch_up``; every other late one is recorded as missed
+    (at most ``_MISSED_RECORDS`` records, the last saying how many more).
+    """
+    schedule = job.schedule
+    limit = now_ms - _ms(_ON_TIME)
+    late: List[int] = []
+    count = 0
+    newest: Optional[int] = None
+    jumped = False
+    cursor = schedule.next_after(last_slot)
+    while cursor is not None and cursor <= limit:
+        count += 1
+        newest = cursor
+        if len(late) < _MISSED_RECORDS + 1:
+            late.append(cursor)
+        elif isinstance(schedule, _Every):
+            skip = (limit - cursor) // schedule.interval
+            cursor += skip * schedule.interval
+            count += skip
+            newest = cursor
+        elif count > 20_000 and not jumped:  # a calendar schedule across years of outage
+            jumped = True
+            cursor = schedule.next_after(max(cursor, limit - 86_400_000 * 8))
+            continue
+        cursor = schedule.next_after(cursor)
+    if cursor is not None and cursor <= now_ms:
+        return _Plan(cursor, schedule.next_after(cursor), True, _missed_records(late, count))
+    assert newest is not None, "called with nothing due"
+    catch_up = job.options.catch_up
+    run = catch_up is not None and now_ms - newest <= catch_up * 1000
+    if run:
+        count -= 1
+        late = [s for s in late if s != newest]
+    return _Plan(newest, schedule.next_after(newest), run, _missed_records(late, count))
+
+
+def _missed_records(slots: List[int], count: int) -> List[Tuple[int, Optional[str]]]:
+    """Records for ``count`` missed occurrences, of which ``slots`` are the first ones."""
+    kept = slots[:_MISSED_RECORDS]
+    records: List[Tuple[int, Optional[str]]] = [(s, None) for s in kept]
+    if count > len(kept) and records:
+        records[-1] = (kept[-1], f"missed; {count - len(kept)} more occurrences were missed and not recorded")
+    return records
