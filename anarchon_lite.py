@@ -85,6 +85,7 @@ __all__ = [
     "Shutdown",
     "StoreError",
     "SystemClock",
+    "format_duration",
     "parse_duration",
 ]
 
@@ -506,7 +507,7 @@ class _Calendar(_Schedule):
         return any((moment + d).astimezone(self.zone).utcoffset() != offset for d in (-_DST_REACH, _DST_REACH))
 
     def _next_wall(self, after: _dt.datetime) -> Optional[_dt.datetime]:
-        naive: Optional[_dt.datetime] = self._local(after) - _MINUTE
+        naive: Optional[_dt.datetime] = self._local(after)
         while naive is not None:
             naive = self._naive_after(naive)
             if naive is None:
@@ -522,7 +523,7 @@ class _Calendar(_Schedule):
         if self._near_transition(after):
             start -= _DST_REACH
         best: Optional[_dt.datetime] = None
-        naive: Optional[_dt.datetime] = start - _MINUTE
+        naive: Optional[_dt.datetime] = start
         while True:
             naive = self._naive_after(naive) if naive is not None else None
             if naive is None or (best is not None and naive > self._local(best) + _DST_REACH):
@@ -689,35 +690,31 @@ class _RRule(_Calendar):
         return parsed
 
     def _rule_near(self, naive: _dt.datetime) -> _rrule.rrule:
-        """The rule with its start moved forward by whole intervals, close to ``naive``.
+        """The rule with its start moved forward by whole intervals, to just before ``naive``.
 
         dateutil iterates from DTSTART; moving the start by whole intervals keeps every later
         occurrence and keeps ``after()`` fast however old the start is.
         """
         start: _dt.datetime = self.rule._dtstart  # type: ignore[attr-defined]
-        if self.rule._count is not None or naive - start < _dt.timedelta(days=3):  # type: ignore[attr-defined]
+        if self.rule._count is not None or naive <= start:  # type: ignore[attr-defined]
             return self.rule
-        if self._shifted is not None and self._shifted[0] <= naive < self._shifted[0] + _dt.timedelta(days=400):
-            return self._shifted[1]
         unit = _FREQ_STEP[self.freq]
-        target = naive - _dt.timedelta(days=2)
-        delta = relativedelta(target, start)
-        whole = {
-            "years": delta.years,
-            "months": delta.years * 12 + delta.months,
-            "weeks": (target - start).days // 7,
-            "days": (target - start).days,
-            "hours": int((target - start).total_seconds() // 3600),
-            "minutes": int((target - start).total_seconds() // 60),
-            "seconds": int((target - start).total_seconds()),
-        }[unit]
-        steps = whole // self.interval * self.interval
-        moved = start + relativedelta(**{unit: steps})
-        if (moved.day, moved.hour, moved.minute, moved.second) != (start.day, start.hour, start.minute, start.second) and unit in ("years", "months"):
+        period = relativedelta(**{unit: self.interval})
+        target = naive - period - period
+        if target <= start:
             return self.rule
-        shifted = self.rule.replace(dtstart=moved)
-        self._shifted = (moved, shifted)
-        return shifted
+        if unit in ("years", "months"):
+            delta = relativedelta(target, start)
+            whole = delta.years if unit == "years" else delta.years * 12 + delta.months
+        else:
+            size = {"weeks": 604800, "days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}[unit]
+            whole = int((target - start).total_seconds() // size)
+        moved = start + relativedelta(**{unit: whole // self.interval * self.interval})
+        if unit in ("years", "months") and moved.day != start.day:  # a month without that day
+            return self.rule
+        if self._shifted is None or self._shifted[0] != moved:
+            self._shifted = (moved, self.rule.replace(dtstart=moved))
+        return self._shifted[1]
 
     def _naive_after(self, naive: _dt.datetime) -> Optional[_dt.datetime]:
         found: Optional[_dt.datetime] = self._rule_near(naive).after(naive, inc=False)

@@ -1,0 +1,71 @@
+"""Shared helpers: a clock moved by hand, and waiting on conditions with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Awaitable, Callable, Optional, Union
+
+import pytest
+
+import anarchon_lite
+
+
+class ManualClock(anarchon_lite.Clock):
+    """Wall and monotonic time that move only when the test says so (or ``tick`` per real second)."""
+
+    def __init__(self, start: float = 1_800_000_000.0):
+        self._lock = threading.Lock()
+        self._wall = start
+        self._mono = 1000.0
+
+    def time(self) -> float:
+        with self._lock:
+            return self._wall
+
+    def monotonic(self) -> float:
+        with self._lock:
+            return self._mono
+
+    def advance(self, seconds: float) -> None:
+        """Time passes: both clocks move."""
+        with self._lock:
+            self._wall += seconds
+            self._mono += seconds
+
+    def jump(self, seconds: float) -> None:
+        """The wall clock is set (NTP, a wrong boot clock): only wall time moves."""
+        with self._lock:
+            self._wall += seconds
+
+
+async def wait_for(
+    condition: Callable[[], Union[bool, Awaitable[bool]]], timeout: float = 10.0, message: str = "condition"
+) -> None:
+    """Poll ``condition`` (sync or async) until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def db(tmp_path) -> str:
+    return str(tmp_path / "jobs.db")
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def run(coro: Awaitable[object], timeout: Optional[float] = 60.0) -> object:
+    """Run a coroutine on a fresh event loop, bounded in time."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
