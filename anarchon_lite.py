@@ -155,16 +155,16 @@ class Cancelled(Aborted):
 ###############################################################################
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)(?![a-z])")
 
 
 def parse_duration(
-    value: DurationLike, *, job: Optional[str] = None, option: Optional[str] = None
+    value: DurationLike, *, job: Optional[str] = None, option: Optional[str] = None, allow_zero: bool = False
 ) -> float:
     """Return a duration in seconds from seconds, a ``timedelta`` or a string such as ``"1h30m"``.
 
-    Units: ``ms``, ``s``, ``m``, ``h``, ``d``, ``w``. Zero, negative and malformed durations raise
-    ``ConfigError`` naming ``job`` and ``option``.
+    Units: ``ms``, ``s``, ``m``, ``h``, ``d``, ``w``. Negative and malformed durations, and zero
+    unless ``allow_zero``, raise ``ConfigError`` naming ``job`` and ``option``.
     """
     if isinstance(value, bool):
         raise ConfigError(f"duration must be a number, timedelta or string, not {value!r}", job=job, option=option)
@@ -176,7 +176,7 @@ def parse_duration(
         seconds = _parse_duration_text(value, job, option)
     else:
         raise ConfigError(f"duration must be a number, timedelta or string, not {value!r}", job=job, option=option)
-    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+    if not (seconds >= 0 if allow_zero else seconds > 0) or seconds == float("inf"):
         raise ConfigError(f"duration must be positive, got {value!r}", job=job, option=option)
     return seconds
 
@@ -774,6 +774,7 @@ _SCHEMA = (
         UNIQUE (job, slot, attempt)
     )""",
     "CREATE INDEX IF NOT EXISTS history_by_job ON history (job, id)",
+    "CREATE INDEX IF NOT EXISTS history_by_slot ON history (slot)",
     """CREATE TABLE IF NOT EXISTS checkpoints (
         job TEXT NOT NULL,
         slot INTEGER NOT NULL,
@@ -786,7 +787,7 @@ _SCHEMA = (
 _SQL_REGISTER = "INSERT INTO jobs (name, schedule, last_slot) VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET schedule = excluded.schedule"
 _SQL_JOB = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs WHERE name = ?"
 _SQL_JOBS = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs ORDER BY name"
-_SQL_NEWEST_SLOT = "SELECT max(last_slot) FROM jobs"
+_SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
 _SQL_ADVANCE = "UPDATE jobs SET last_slot = ?, next_slot = ? WHERE name = ? AND last_slot = ?"
 _SQL_SET_PAUSED = "UPDATE jobs SET paused = ?, last_slot = max(last_slot, ?) WHERE name = ?"
 _SQL_RUN_COLUMNS = (
@@ -1077,12 +1078,14 @@ class _Store:
         def work(conn: sqlite3.Connection) -> Union[None, bool, _Claim]:
             if conn.execute(_SQL_ADVANCE, (slot, next_slot, job, expected_last)).rowcount != 1:
                 return None
-            records = [(job, s, 0, "missed", None, None, None, e) for s, e in missed]
+            records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in missed]
             conn.executemany(_SQL_RECORD, records)
+            if missed:
+                self._prune(conn, job)
             if not run:
                 return False
             if skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
-                conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished"))
+                self._skip(conn, job, slot, owner, now_ms)
                 return False
             conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
             return self._take(conn, job, slot, owner, lease_until, now_ms)
@@ -1130,11 +1133,15 @@ class _Store:
                 return self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
             if attempt == 0 and skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
                 conn.execute(_SQL_DELETE_RUN, (job, slot))
-                conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished"))
+                self._skip(conn, job, slot, owner, now_ms)
                 return None
             return self._take(conn, job, slot, owner, lease_until, now_ms)
 
         return self._write(work)
+
+    def _skip(self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, now_ms: int) -> None:
+        conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished"))
+        self._prune(conn, job)
 
     def _end(self, conn: sqlite3.Connection, row: _RunRow, status: str, error: str, now_ms: int) -> None:
         conn.execute(_SQL_DELETE_RUN, (row.job, row.slot))
@@ -1527,6 +1534,7 @@ class _Watchdog:
 _OVERLAP = ("skip", "allow")
 _ON_TIME = 5.0  # seconds: an occurrence found later than this after its time was missed (downtime)
 _MISSED_RECORDS = 100
+_CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
 _current_attempt: contextvars.ContextVar[Optional[_Attempt]] = contextvars.ContextVar("anarchon_attempt", default=None)
 
 
@@ -1781,6 +1789,8 @@ class Scheduler:
         self._timers: Optional[_Timers] = None
         self._watchdog: Optional[_Watchdog] = None
         self._clock_warned = False
+        self._dirty = True
+        self._ready: Optional[asyncio.Event] = None
         self.checkpoints = CheckpointStore(self)
 
     # -- declaring jobs ---------------------------------------------------------------------------
@@ -1788,8 +1798,7 @@ class Scheduler:
     def every(self, name: str, interval: DurationLike, handler: Optional[Handler] = None, *, offset: DurationLike = 0, **options: Any) -> Any:
         """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
         seconds = parse_duration(interval, job=name, option="interval")
-        empty = offset == 0 or offset == _dt.timedelta(0)
-        shift = 0.0 if empty else parse_duration(offset, job=name, option="offset")
+        shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
         return self._declare(name, _Every(seconds, shift), handler, options)
 
     def cron(self, name: str, expr: str, handler: Optional[Handler] = None, *, tz: Union[None, str, _dt.tzinfo] = None, **options: Any) -> Any:
@@ -1939,7 +1948,14 @@ class Scheduler:
         task.add_done_callback(self._signal_tasks.discard)
 
     async def __aenter__(self) -> Scheduler:
+        """Start the scheduler in the background; returns once it has looked at the file once."""
+        self._ready = ready = asyncio.Event()
         self._main = asyncio.get_running_loop().create_task(self._serve())
+        waiter = asyncio.ensure_future(ready.wait())
+        await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self._main.done():
+            self._main.result()
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
@@ -1958,6 +1974,8 @@ class Scheduler:
             await asyncio.wait({main})
 
     def _poke(self) -> None:
+        """Our own writes do not change our connection's data_version: look again at once."""
+        self._dirty = True
         if self._wake is not None:
             self._wake.set()
 
@@ -1980,6 +1998,8 @@ class Scheduler:
                     loop_state.delay = min(max(loop_state.delay * 2, self._poll), 5.0)
                 else:
                     loop_state.delay = 0.0
+                if self._ready is not None:
+                    self._ready.set()
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
             await self._drain()
         finally:
@@ -2014,11 +2034,12 @@ class Scheduler:
         now = self._clock.time()
         now_ms = _ms(now)
         version = await self._call_store(lambda s: s.data_version())
-        if version != state.version or state.runs is None:
+        if version != state.version or state.runs is None or self._dirty:
+            self._dirty = False
             state.jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
             state.newest = newest or 0
             state.version = version
-        if now_ms < state.newest:
+        if now_ms < state.newest - _CLOCK_SLACK_MS:
             if not self._clock_warned:
                 _log.warning(
                     "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "

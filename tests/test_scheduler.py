@@ -1,0 +1,647 @@
+"""The scheduler in one process: schedules, overlap, timeouts, retries, catch-up, clocks, control."""
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from anarchon_lite import (
+    Cancelled,
+    ConfigError,
+    LeaseLost,
+    RunTimeout,
+    Scheduler,
+    Shutdown,
+)
+
+from conftest import ManualClock, run, wait_for
+
+HOUR = 3600.0
+
+
+def make(db, clock=None, **kw):
+    kw.setdefault("poll", 0.02)
+    return Scheduler(db, clock=clock, **kw)
+
+
+async def statuses(s, job=None):
+    return [(r.slot, r.attempt, r.status) for r in reversed(await s.history(job, limit=1000))]
+
+
+async def has(s, job, status, count=1):
+    return sum(1 for r in await s.history(job, limit=1000) if r.status == status) >= count
+
+
+async def last_succeeded(s, job, slot):
+    return any(r.slot == slot and r.status == "succeeded" for r in await s.history(job, limit=1000))
+
+
+def aligned(clock, interval):
+    """Move the manual clock to just before the next multiple of ``interval``."""
+    now = clock.time()
+    clock.advance((now // interval + 1) * interval - now - 0.5)
+
+
+def next_slot(clock, interval):
+    """Move the manual clock to just after the next multiple of ``interval`` (nothing in between
+    comes due, so the scheduler sees no downtime)."""
+    aligned(clock, interval)
+    clock.advance(0.6)
+
+
+def test_every_runs_each_slot_once_across_two_schedulers(db, clock):
+    aligned(clock, HOUR)
+    seen = []
+
+    async def main():
+        a, b = make(db, clock, instance="a"), make(db, clock, instance="b")
+        for s in (a, b):
+            s.every("hourly", "1h", lambda ctx: seen.append((ctx.slot, ctx.instance, ctx.attempt)))
+        async with a, b:
+            for n in range(1, 4):
+                next_slot(clock, HOUR)
+                await wait_for(lambda: len(seen) >= n, message=f"run {n}")
+            await asyncio.sleep(0.2)
+        assert len(seen) == 3 and len({slot for slot, _, _ in seen}) == 3
+        assert all(slot % 3_600_000 == 0 and attempt == 1 for slot, _, attempt in seen)
+        assert [st for _, _, st in await statuses(a)] == ["succeeded"] * 3
+
+    run(main())
+
+
+def test_context_fields(db, clock):
+    aligned(clock, 60)
+    got = {}
+
+    async def main():
+        s = make(db, clock, instance="me")
+
+        @s.every("ctx", "1m", offset="0s")
+        async def handler(ctx):
+            got.update(job=ctx.job, slot=ctx.slot, at=ctx.scheduled_at, attempt=ctx.attempt, instance=ctx.instance)
+            ctx.log.info("hello")
+            return 1
+
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: got)
+        assert got["job"] == "ctx" and got["attempt"] == 1 and got["instance"] == "me"
+        assert got["slot"] % 60_000 == 0 and got["at"].timestamp() * 1000 == got["slot"]
+        assert got["at"].tzinfo is not None
+
+    run(main())
+
+
+def test_overlap_skip_and_allow(db, clock):
+    aligned(clock, 60)
+
+    async def main():
+        s = make(db, clock)
+        gate = asyncio.Event()
+        started = []
+
+        async def slow(ctx):
+            started.append((ctx.job, ctx.slot))
+            await gate.wait()
+
+        s.every("skip", "1m", slow)
+        s.every("allow", "1m", slow, overlap="allow")
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: len(started) == 2)
+            next_slot(clock, 60)
+            await wait_for(lambda: has(s, "skip", "skipped"))
+            await wait_for(lambda: len(started) == 3)
+            gate.set()
+            await wait_for(lambda: has(s, "allow", "succeeded", 2))
+            await wait_for(lambda: has(s, "skip", "succeeded", 1))
+        assert [j for j, _ in started].count("allow") == 2 and [j for j, _ in started].count("skip") == 1
+        skipped = [r for r in await s.history("skip") if r.status == "skipped"]
+        assert skipped[0].attempt == 0
+
+    run(main())
+
+
+def test_timeout_aborts_signal_and_records_timed_out(db):
+    reasons = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("slow", "1s", timeout="200ms")
+        async def slow(ctx):
+            try:
+                await ctx.signal.sleep(30)
+            except RunTimeout as exc:
+                reasons.append(exc)
+                raise
+
+        async with s:
+            await wait_for(lambda: has(s, "slow", "timed_out"))
+        assert isinstance(reasons[0], TimeoutError)
+
+    run(main())
+
+
+def test_timeout_wins_however_the_handler_ends(db):
+    async def main():
+        s = make(db)
+
+        @s.every("swallow", "1s", timeout="100ms")
+        async def swallow(ctx):
+            try:
+                await ctx.signal.sleep(30)
+            except RunTimeout:
+                return "ignored it"
+
+        async with s:
+            await wait_for(lambda: has(s, "swallow", "timed_out"))
+        assert not await has(s, "swallow", "succeeded")
+
+    run(main())
+
+
+def test_handler_ignoring_its_signal_is_cancelled_after_grace(db):
+    cancelled = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("stubborn", "1h", timeout="100ms", grace="200ms")
+        async def stubborn(ctx):
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        async with s:
+            await s.trigger("stubborn")
+            await wait_for(lambda: has(s, "stubborn", "timed_out"))
+        assert cancelled == [True]
+
+    run(main())
+
+
+def test_retries_with_backoff_then_failed(db):
+    attempts = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("flaky", "1h", retries=2, retry_delay="100ms")
+        def flaky(ctx):
+            attempts.append((ctx.attempt, time.monotonic()))
+            raise ValueError(f"boom {ctx.attempt}")
+
+        async with s:
+            await s.trigger("flaky")
+            await wait_for(lambda: len(attempts) == 3)
+            await wait_for(lambda: has(s, "flaky", "failed", 3))
+            await asyncio.sleep(0.3)
+        assert [a for a, _ in attempts] == [1, 2, 3]
+        # backoff doubles: 100 ms, then 200 ms
+        assert attempts[2][1] - attempts[1][1] >= 0.19 and attempts[1][1] - attempts[0][1] >= 0.09
+        records = [r for r in await s.history("flaky") if r.status == "failed"]
+        assert "ValueError: boom 3" in records[0].error
+
+    run(main())
+
+
+def test_retry_succeeds(db):
+    async def main():
+        s = make(db)
+
+        @s.every("second-time", "1h", retries=1, retry_delay="50ms")
+        async def handler(ctx):
+            if ctx.attempt == 1:
+                raise RuntimeError("first")
+
+        async with s:
+            await s.trigger("second-time")
+            await wait_for(lambda: has(s, "second-time", "succeeded"))
+        assert [st for _, _, st in await statuses(s)] == ["failed", "succeeded"]
+
+    run(main())
+
+
+def test_catch_up_after_a_forward_jump(db, clock):
+    aligned(clock, HOUR)
+    seen = []
+
+    async def main():
+        s = make(db, clock)
+        s.every("recent", "1h", lambda ctx: seen.append(("recent", ctx.slot)), catch_up="45m")
+        s.every("none", "1h", lambda ctx: seen.append(("none", ctx.slot)))
+        async with s:
+            await wait_for(lambda: s._main is not None)
+            await asyncio.sleep(0.1)
+            start = clock.time() + 0.5
+            clock.jump(3 * HOUR + 1200)  # 3 h 20 m later, all at once
+            await wait_for(lambda: has(s, "none", "missed", 4))
+            await wait_for(lambda: any(j == "recent" for j, _ in seen))
+            await asyncio.sleep(0.2)
+        # slots start, +1h, +2h, +3h are late; only +3h (20 minutes old) is inside the window
+        assert seen == [("recent", int((start + 3 * HOUR) * 1000))]
+        assert [st for _, _, st in await statuses(s, "recent")] == ["missed"] * 3 + ["succeeded"]
+        assert [st for _, _, st in await statuses(s, "none")] == ["missed"] * 4
+
+    run(main())
+
+
+def test_a_long_outage_writes_at_most_100_missed_records(db, clock):
+    aligned(clock, 60)
+
+    async def main():
+        s = make(db, clock)
+        s.every("minutely", "1m", lambda ctx: None)
+        async with s:
+            await asyncio.sleep(0.1)
+            clock.jump(30 * 86400)
+            await wait_for(lambda: has(s, "minutely", "missed", 100))
+            await asyncio.sleep(0.1)
+        records = await s.history("minutely", limit=1000)
+        assert len(records) == 100
+        assert "43100 more" in records[0].error
+
+    run(main())
+
+
+def test_backward_jump_runs_nothing_twice_and_warns_once(db, clock, caplog):
+    aligned(clock, 60)
+    seen = []
+
+    async def main():
+        s = make(db, clock)
+        s.every("m", "1m", lambda ctx: seen.append(ctx.slot))
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: len(seen) == 1)
+            next_slot(clock, 60)
+            await wait_for(lambda: len(seen) == 2)
+            clock.jump(-HOUR)
+            await asyncio.sleep(0.3)
+            clock.jump(HOUR - 1)  # back to just before where it was
+            await asyncio.sleep(0.3)
+            clock.advance(1)  # past the slot that already ran: it does not run twice
+            await asyncio.sleep(0.3)
+            assert len(seen) == 2
+            next_slot(clock, 60)
+            await wait_for(lambda: len(seen) == 3)
+        assert len(set(seen)) == 3 and seen == sorted(seen)
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    assert sum("earlier than the newest occurrence" in r.message for r in caplog.records) == 1
+
+
+def test_device_booting_in_1970(db, clock):
+    aligned(clock, HOUR)
+    seen = []
+
+    async def main():
+        s = make(db, clock)
+        s.every("h", "1h", lambda ctx: seen.append(ctx.slot), catch_up="2h")
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: len(seen) == 1)
+        real_now = clock.time()
+        clock.jump(-real_now + 86400)  # the device boots on 2 January 1970
+        s2 = make(db, clock)
+        s2.every("h", "1h", lambda ctx: seen.append(ctx.slot), catch_up="2h")
+        async with s2:
+            clock.advance(3 * HOUR)
+            await asyncio.sleep(0.3)
+            assert len(seen) == 1  # nothing runs while the clock is plainly unset
+            clock.jump(real_now - clock.time() + HOUR + 60)  # NTP corrects it, an hour later
+            await wait_for(lambda: len(seen) == 2)
+        assert seen[1] - seen[0] == 3_600_000
+
+    run(main())
+
+
+def test_pause_resume_trigger_cancel(db, clock):
+    aligned(clock, 60)
+    seen = []
+
+    async def main():
+        s = make(db, clock)
+        gate = asyncio.Event()
+
+        @s.every("p", "1m")
+        async def handler(ctx):
+            seen.append(ctx.slot)
+            try:
+                await ctx.signal.run(gate.wait())
+            except Cancelled:
+                seen.append("cancelled")
+                raise
+
+        other = make(db, clock)  # a process that only inspects and controls the file
+        async with s:
+            await other.pause("p")
+            clock.advance(120)
+            await asyncio.sleep(0.3)
+            assert seen == []
+            status = {j.name: j for j in await other.status()}
+            assert status["p"].paused
+            await other.resume("p")
+            next_slot(clock, 60)
+            await wait_for(lambda: len(seen) == 1)
+            assert not await has(s, "p", "missed")  # a pause is not downtime
+            status = {j.name: j for j in await other.status()}
+            assert status["p"].runs[0].state == "running" and status["p"].runs[0].attempt == 1
+            await other.cancel("p")
+            await wait_for(lambda: has(s, "p", "cancelled"))
+            gate.set()
+            slot = await other.trigger("p")
+            await wait_for(lambda: slot in seen)
+            await wait_for(lambda: has(s, "p", "succeeded"))
+        assert seen[1] == "cancelled"
+        with pytest.raises(ConfigError):
+            await other.pause("nope")
+        with pytest.raises(ConfigError):
+            await other.trigger("nope")
+
+    run(main())
+
+
+def test_trigger_slots_are_unique(db, clock):
+    async def main():
+        s = make(db, clock)
+        s.every("t", "1h", lambda ctx: None)
+        slots = [await s.trigger("t") for _ in range(3)]
+        assert slots == [slots[0], slots[0] + 1, slots[0] + 2]
+        assert slots[0] == int(clock.time() * 1000)
+
+    run(main())
+
+
+def test_graceful_stop_hands_over_with_checkpoint(db):
+    log = []
+
+    async def main():
+        a, b = make(db, instance="a"), make(db, instance="b")
+        for s in (a, b):
+
+            @s.every("export", "1h", lease="30s")
+            async def export(ctx):
+                after = await ctx.checkpoint.get(0)
+                log.append((ctx.instance, ctx.attempt, "start", after))
+                while after < 10:
+                    ctx.signal.throw_if_aborted()
+                    await asyncio.sleep(0.02)
+                    after += 1
+                    await ctx.checkpoint.set(after)
+                    if ctx.instance == "a" and after == 4:
+                        await asyncio.sleep(30)
+                await ctx.checkpoint.delete()
+                log.append((ctx.instance, ctx.attempt, "done", after))
+
+        async with a:
+            await a.trigger("export")
+            await wait_for(lambda: any(e[2] == "start" for e in log))
+            await wait_for(lambda: a.checkpoints.get("export", log[0][3] if False else next(iter(a._attempts))[1]) if a._attempts else False)
+            await asyncio.sleep(0.3)
+            slot = next(iter(a._attempts))[1]
+            assert await a.checkpoints.get("export", slot) == 4
+            async with b:
+                await a.stop(grace=5)
+                await wait_for(lambda: any(e[2] == "done" for e in log))
+        assert log[0][:2] == ("a", 1) and log[1] == ("b", 2, "start", 4) and log[2] == ("b", 2, "done", 10)
+        assert [st for _, _, st in await statuses(b)] == ["interrupted", "succeeded"]
+        assert await b.checkpoints.get("export", slot) is None
+
+    run(main())
+
+
+def test_stop_without_peer_leaves_the_run_for_the_next_start(db):
+    async def main():
+        a = make(db, instance="a")
+
+        @a.every("job", "1h")
+        async def job(ctx):
+            if ctx.attempt == 1:
+                await asyncio.sleep(60)
+
+        async with a:
+            await a.trigger("job")
+            await wait_for(lambda: a._attempts)
+            await a.stop(grace="200ms")
+        assert [st for _, _, st in await statuses(a)] == ["interrupted"]
+        b = make(db, instance="b")
+        b.every("job", "1h", job)
+        async with b:
+            await wait_for(lambda: has(b, "job", "succeeded"))
+        assert [(at, st) for _, at, st in await statuses(b)] == [(1, "interrupted"), (2, "succeeded")]
+
+    run(main())
+
+
+def test_plain_function_handler_ignoring_shutdown_is_fenced_off(db):
+    finished = threading.Event()
+    results = []
+
+    async def main():
+        a = make(db, instance="a")
+
+        @a.every("stuck", "1h", grace="100ms")
+        def stuck(ctx):
+            time.sleep(0.8)
+            try:
+                ctx.checkpoint.set_sync("late write")
+            except LeaseLost as exc:
+                results.append(exc)
+            finished.set()
+
+        async with a:
+            await a.trigger("stuck")
+            await wait_for(lambda: a._attempts)
+            await a.stop(grace="100ms")
+            assert [st for _, _, st in await statuses(a)] == ["interrupted"]
+            await asyncio.get_running_loop().run_in_executor(None, finished.wait, 10)
+        assert len(results) == 1
+
+    # the handler's thread outlives the scheduler's loop here; give it one of its own to call into
+    run(main())
+
+
+def test_lease_expiry_takeover_fences_the_old_attempt(db, clock):
+    events = []
+
+    async def main():
+        a, b = make(db, clock, instance="a"), make(db, clock, instance="b")
+        go = asyncio.Event()
+        for s in (a, b):
+
+            @s.every("work", "1h", lease="30s")
+            async def work(ctx):
+                events.append((ctx.instance, ctx.attempt))
+                if ctx.instance == "a":
+                    await go.wait()
+                    try:
+                        await ctx.checkpoint.set("stale")
+                    except LeaseLost:
+                        events.append(("a", "refused", ctx.signal.reason.__class__.__name__))
+                        raise
+                else:
+                    await ctx.checkpoint.set("fresh")
+
+        async with a:
+            await a.trigger("work")
+            await wait_for(lambda: events == [("a", 1)])
+            a._heartbeats.stop()  # a freezes: no more renewals
+            async with b:
+                clock.advance(31)
+                await wait_for(lambda: ("b", 2) in events)
+                await wait_for(lambda: has(b, "work", "succeeded"))
+                go.set()
+                await wait_for(lambda: len(events) == 3)
+        assert events[2] == ("a", "refused", "LeaseLost")
+        slot = (await b.history("work"))[0].slot
+        assert await b.checkpoints.get("work", slot) == "fresh"
+        assert [(at, st) for _, at, st in await statuses(b)] == [(1, "interrupted"), (2, "succeeded")]
+
+    run(main())
+
+
+def test_max_attempts(db, clock):
+    async def main():
+        a = make(db, clock, instance="a")
+        a.every("job", "1h", lambda ctx: None, max_attempts=1)
+        async with a:
+            await a.trigger("job")
+            # simulate a crash of attempt 1: hand the row back as if its owner vanished
+            await wait_for(lambda: has(a, "job", "succeeded"))
+        b = make(db, clock, instance="b")
+        gate = threading.Event()
+        b.every("job", "1h", lambda ctx: gate.wait(5), max_attempts=1, lease="1s")
+        c = make(db, clock, instance="c")
+        c.every("job", "1h", lambda ctx: None, max_attempts=1, lease="1s")
+        async with b:
+            await b.trigger("job")
+            await wait_for(lambda: b._attempts)
+            b._heartbeats.stop()
+            async with c:
+                clock.advance(2)
+                await wait_for(lambda: has(c, "job", "failed"))
+            gate.set()
+        records = [r for r in await c.history("job") if r.status == "failed"]
+        assert "max_attempts" in records[0].error
+
+    run(main())
+
+
+def test_history_retention(db, clock):
+    async def main():
+        s = make(db, clock, retention=5)
+        s.every("r", "1h", lambda ctx: None, overlap="allow")
+        async with s:
+            slots = []
+            for _ in range(8):
+                slots.append(await s.trigger("r"))
+                await wait_for(lambda: has(s, "r", "succeeded", min(len(slots), 5)))
+                await wait_for(lambda: last_succeeded(s, "r", slots[-1]))
+        records = await s.history("r")
+        assert [r.slot for r in reversed(records)] == slots[-5:]
+
+    run(main())
+
+
+def test_checkpoints_outside_a_run_and_json_only(db):
+    async def main():
+        s = make(db)
+        await s.checkpoints.set("export", 1, {"after": [1, 2, 3]})
+        assert await s.checkpoints.get("export", 1) == {"after": [1, 2, 3]}
+        with pytest.raises(TypeError):
+            await s.checkpoints.set("export", 1, object())
+        with pytest.raises(TypeError):
+            await s.checkpoints.set("export", 1, float("nan"))
+        assert await s.checkpoints.get("export", 1) == {"after": [1, 2, 3]}
+        await s.checkpoints.delete("export", 1)
+        assert await s.checkpoints.get("export", 1, default=0) == 0
+
+    run(main())
+
+
+def test_shutdown_is_not_swallowed_by_except_exception(db):
+    seen = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("batch", "1h")
+        async def batch(ctx):
+            for _ in range(1000):
+                try:
+                    await ctx.signal.sleep(0.05)
+                except Exception as exc:  # a loop that logs and carries on
+                    seen.append(exc)
+            seen.append("finished")
+
+        async with s:
+            await s.trigger("batch")
+            await wait_for(lambda: s._attempts)
+            await s.stop(grace=2)
+        assert seen == [] and [st for _, _, st in await statuses(s)] == ["interrupted"]
+
+    run(main())
+
+
+def test_bad_declarations():
+    s = Scheduler(":memory:")
+    s.every("dup", "1h", lambda ctx: None)
+    with pytest.raises(ConfigError, match="already declared"):
+        s.every("dup", "1h", lambda ctx: None)
+    with pytest.raises(ConfigError, match="callable"):
+        s.every("x", "1h", 42)
+    with pytest.raises(ConfigError) as info:
+        s.every("y", "1h", lambda ctx: None, overlap="sometimes")
+    assert info.value.option == "overlap" and info.value.job == "y"
+    with pytest.raises(ConfigError) as info:
+        s.every("z", "1h", lambda ctx: None, colour="red")
+    assert info.value.option == "colour"
+    with pytest.raises(ConfigError) as info:
+        s.every("w", "1x", lambda ctx: None)
+    assert info.value.option == "interval"
+    with pytest.raises(ConfigError) as info:
+        s.every("v", "1h", lambda ctx: None, timeout="-5s")
+    assert info.value.option == "timeout"
+    with pytest.raises(ConfigError):
+        s.every("u", "1h", lambda ctx: None, retries=-1)
+    assert set(s._jobs) == {"dup"}
+
+
+def test_decorator_and_call_forms():
+    s = Scheduler(":memory:")
+
+    @s.cron("backup", "0 3 * * *", tz="Europe/Athens", timeout="50m")
+    async def backup(ctx):
+        return None
+
+    s.every("export-2", "1h", backup, timeout=50 * 60)
+    s.rrule("report", "FREQ=MONTHLY;BYDAY=-1FR;BYHOUR=17;BYMINUTE=0", backup)
+    assert set(s._jobs) == {"backup", "export-2", "report"} and s._jobs["backup"].is_async
+
+
+def test_blocked_loop_warning_names_the_job(db, caplog):
+    async def main():
+        s = make(db, blocked_warning=0.3)
+
+        @s.every("hog", "1h")
+        async def hog(ctx):
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                sum(range(1000))
+
+        async with s:
+            await s.trigger("hog")
+            await wait_for(lambda: has(s, "hog", "succeeded"))
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    warnings = [r.message for r in caplog.records if "blocked" in r.message]
+    assert warnings and "job hog" in warnings[0] and "test_scheduler.py" in warnings[0]
