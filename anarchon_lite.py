@@ -1935,6 +1935,7 @@ class Scheduler:
                 except (NotImplementedError, RuntimeError):
                     pass
         self._main = asyncio.current_task()
+        self._ready = asyncio.Event()
         try:
             await self._serve()
         finally:

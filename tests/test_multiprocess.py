@@ -1,0 +1,173 @@
+"""Real processes on one file: exactly once, kill -9 takeover, SIGTERM hand-over, SIGSTOP fencing."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from anarchon_lite import Scheduler
+
+from conftest import run
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+
+
+class Processes:
+    """Starts worker processes and guarantees that each is ended and reaped."""
+
+    def __init__(self, db, events):
+        self.db, self.events, self.procs = db, events, []
+
+    def start(self, mode, lease=30.0):
+        proc = subprocess.Popen([sys.executable, WORKER, self.db, self.events, mode, str(lease)])
+        self.procs.append(proc)
+        return proc
+
+    def read(self):
+        if not os.path.exists(self.events):
+            return []
+        with open(self.events) as handle:
+            return [json.loads(line) for line in handle if line.endswith("\n")]
+
+    def wait(self, predicate, timeout=20.0, what="event"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.read() if predicate(e)]
+            if found:
+                return found[0]
+            for proc in self.procs:
+                if proc.poll() not in (None, 0, -9, -15):
+                    raise AssertionError(f"worker {proc.pid} died with {proc.returncode}")
+            time.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}; events: {self.read()[-10:]}")
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Processes(str(tmp_path / "jobs.db"), str(tmp_path / "events.jsonl"))
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def history(db, job=None):
+    return run(Scheduler(db).history(job, limit=1000))
+
+
+def start_all(procs, mode, n, lease=30.0):
+    started = [procs.start(mode, lease) for _ in range(n)]
+    for proc in started:
+        procs.wait(lambda e, pid=proc.pid: e["event"] == "ready" and e["pid"] == pid, what=f"{proc.pid} ready")
+    return started
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_each_occurrence_runs_once_across_processes(procs, n):
+    started = start_all(procs, "every", n)
+    first = max(e["t"] for e in procs.read() if e["event"] == "ready")
+    time.sleep(3.0)  # the schedule itself is what is under test: six occurrences
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+    for proc in started:
+        assert proc.wait(timeout=30) == 0
+    runs = [e for e in procs.read() if e["event"] == "run"]
+    slots = [e["slot"] for e in runs]
+    assert len(slots) == len(set(slots)), "an occurrence ran twice"
+    late = sorted(s for s in slots if s / 1000 > first + 0.5)
+    assert len(late) >= 4 and all(b - a == 500 for a, b in zip(late, late[1:])), late
+    assert len({e["pid"] for e in runs}) >= 1
+    records = [r for r in history(procs.db, "tick") if r.status != "skipped"]
+    assert sorted(r.slot for r in records) == sorted(slots)
+    assert all(r.status == "succeeded" and r.attempt == 1 for r in records)
+
+
+def trigger(db, job):
+    return run(Scheduler(db).trigger(job))
+
+
+def owner_of(procs, attempt=1):
+    return procs.wait(lambda e: e["event"] == "start" and e["attempt"] == attempt, what=f"attempt {attempt}")["pid"]
+
+
+def test_kill_9_is_taken_over_from_the_checkpoint_within_2_s(procs):
+    start_all(procs, "export", 2, lease=30.0)
+    slot = trigger(procs.db, "export")
+    owner = owner_of(procs)
+    saved = procs.wait(lambda e: e["event"] == "saved" and e["after"] >= 5, what="progress")
+    os.kill(owner, signal.SIGKILL)
+    killed_at = time.time()
+    next(p for p in procs.procs if p.pid == owner).wait(timeout=10)
+    last = max(e["after"] for e in procs.read() if e["event"] == "saved" and e["pid"] == owner)
+    second = procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 2, what="takeover")
+    assert second["pid"] != owner and second["slot"] == slot
+    assert second["after"] == last >= saved["after"]  # continues after the saved checkpoint
+    assert second["t"] - killed_at < 2.0, "dead owner not detected promptly (lease is 30 s)"
+    procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
+    records = sorted((r.attempt, r.status) for r in history(procs.db, "export"))
+    assert records == [(1, "interrupted"), (2, "succeeded")]
+
+
+def test_sigterm_hands_the_run_over(procs):
+    start_all(procs, "export", 2)
+    trigger(procs.db, "export")
+    owner = owner_of(procs)
+    procs.wait(lambda e: e["event"] == "saved" and e["after"] >= 3, what="progress")
+    proc = next(p for p in procs.procs if p.pid == owner)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    aborted = procs.wait(lambda e: e["event"] == "aborted" and e["pid"] == owner, what="shutdown seen")
+    assert aborted["reason"] == "Shutdown"
+    last = max(e["after"] for e in procs.read() if e["event"] == "saved" and e["pid"] == owner)
+    second = procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 2, what="hand-over")
+    assert second["after"] == last and second["pid"] != owner
+    procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
+    assert sorted((r.attempt, r.status) for r in history(procs.db, "export")) == [(1, "interrupted"), (2, "succeeded")]
+
+
+def test_sigstop_past_the_lease_is_taken_over_and_fenced(procs):
+    start_all(procs, "export", 2, lease=2.0)
+    slot = trigger(procs.db, "export")
+    owner = owner_of(procs)
+    procs.wait(lambda e: e["event"] == "saved" and e["after"] >= 3, what="progress")
+    os.kill(owner, signal.SIGSTOP)
+    try:
+        second = procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 2, what="takeover", timeout=20)
+        procs.wait(lambda e: e["event"] == "saved" and e["attempt"] == 2, what="new attempt progress")
+    finally:
+        os.kill(owner, signal.SIGCONT)
+    refused = procs.wait(lambda e: e["event"] == "refused" and e["pid"] == owner, what="stale write refused")
+    assert refused["attempt"] == 1 and refused["reason"] == "LeaseLost"
+    done = procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
+    assert done["attempt"] == 2 and second["pid"] != owner
+    # no write of the frozen attempt landed after its successor began
+    stale = [e for e in procs.read() if e["event"] == "saved" and e["pid"] == owner and e["t"] > second["t"]]
+    assert stale == []
+    assert run(Scheduler(procs.db).checkpoints.get("export", slot)) is None  # deleted by attempt 2 only
+    assert sorted((r.attempt, r.status) for r in history(procs.db, "export")) == [(1, "interrupted"), (2, "succeeded")]
+
+
+def test_blocking_async_handler_keeps_its_lease(procs):
+    start_all(procs, "block", 2, lease=1.0)
+    trigger(procs.db, "block")
+    owner_of(procs)
+    procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
+    time.sleep(0.5)
+    assert [e for e in procs.read() if e["event"] == "start" and e["attempt"] > 1] == []
+    assert [(r.attempt, r.status) for r in history(procs.db, "block")] == [(1, "succeeded")]

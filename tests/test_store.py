@@ -1,0 +1,187 @@
+"""The SQLite store: schema, errors that name the file, atomic claims, fencing, locks, full disk."""
+
+import os
+import sqlite3
+import stat
+import threading
+import time
+
+import pytest
+
+import anarchon_lite as al
+from anarchon_lite import Scheduler, StoreError
+
+from conftest import run
+
+OWNER = al._Owner("a", os.getpid(), None, None, None)
+OTHER = al._Owner("b", os.getpid(), None, None, None)
+
+
+def store(db, **kw):
+    s = al._Store(db, **kw)
+    s.register([("job", "every 1h")], 0)
+    return s
+
+
+def test_schema_wal_and_mode(db):
+    old = os.umask(0o022)
+    try:
+        store(db).close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == al.SCHEMA_VERSION
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"jobs", "runs", "history", "checkpoints"} <= tables
+
+
+def test_not_a_database(db):
+    with open(db, "wb") as handle:
+        handle.write(b"this is my shopping list, not a database" * 100)
+    before = open(db, "rb").read()
+    with pytest.raises(StoreError) as info:
+        run(Scheduler(db).history())
+    assert info.value.path == db and db in str(info.value) and "not an SQLite database" in str(info.value)
+    assert open(db, "rb").read() == before
+
+
+def test_newer_schema_is_refused_untouched(db):
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE future (x)")
+    conn.execute("PRAGMA user_version = 99")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="newer") as info:
+        run(Scheduler(db).history())
+    assert info.value.path == db
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 99
+    assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master")} == {"future"}
+
+
+@pytest.mark.parametrize("where", ["missing-dir/jobs.db", "a-file/jobs.db"])
+def test_unwritable_paths(tmp_path, where):
+    (tmp_path / "a-file").write_text("x")
+    path = str(tmp_path / where)
+    with pytest.raises(StoreError) as info:
+        run(Scheduler(path).history())
+    assert info.value.path == path
+
+
+def test_read_only_file_names_the_file(tmp_path):
+    path = str(tmp_path / "ro.db")
+    store(path).close()
+    if os.geteuid() == 0:
+        # root ignores permission bits; an immutable view of the file is a read-only connection
+        conn = al._Store(path)
+        conn._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+        with pytest.raises(StoreError, match="read-only") as info:
+            conn.trigger("job", 1)
+    else:
+        os.chmod(path, 0o400)
+        with pytest.raises(StoreError) as info:
+            al._Store(path).trigger("job", 1)
+    assert info.value.path == path
+
+
+def test_full_disk_damages_nothing(db):
+    s = store(db)
+    s.checkpoint_write("job", 1, '"kept"', 0, None)
+    conn = s._connect()
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count = {pages + 4}")
+    with pytest.raises(StoreError, match="disk full") as info:
+        for slot in range(2, 1000):
+            s.checkpoint_write("job", slot, '"' + "x" * 4000 + '"', 0, None)
+    assert info.value.path == db
+    assert s.checkpoint_get("job", 1) == '"kept"'
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.execute("PRAGMA max_page_count = 1000000")
+    assert s.checkpoint_write("job", 5000, '"after"', 0, None)  # the fault went away
+
+
+def claim_due(s, owner, expected=0, slot=1000):
+    return s.claim_due("job", expected, slot, slot + 1000, [], True, True, owner, time.monotonic() + 30, slot)
+
+
+def test_exactly_one_claim_wins_across_connections(db):
+    store(db).close()
+    results = []
+    barrier = threading.Barrier(8)
+
+    def contender(i):
+        s = al._Store(db)
+        barrier.wait()
+        results.append(claim_due(s, al._Owner(f"p{i}", os.getpid(), None, None, None)))
+        s.close()
+
+    threads = [threading.Thread(target=contender, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(isinstance(r, al._Claim) for r in results) == 1
+    assert results.count(None) == 7
+
+
+def test_fencing_refuses_a_superseded_attempt(db):
+    s = store(db)
+    first = claim_due(s, OWNER)
+    assert first.attempt == 1
+    row = s.runs()[0]
+    # b takes over (as if a's lease ran out)
+    second = s.claim(row, OTHER, time.monotonic() + 30, 2000, 10, True, "lease expired")
+    assert second.attempt == 2
+    assert s.renew(first, "a", time.monotonic() + 30, (None, None)) is None
+    assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
+    assert s.finish(first, "a", "succeeded", None, 3000) is False
+    assert s.checkpoint_write("job", 1000, '"fresh"', 0, (2, "b")) is True
+    assert s.finish(second, "b", "succeeded", None, 3000) is True
+    assert s.checkpoint_get("job", 1000) == '"fresh"'
+    assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
+    # the row a saw is gone: its compare-and-set claim does nothing
+    assert s.claim(row, OWNER, time.monotonic() + 30, 4000, 10, True) is None
+
+
+def test_a_renewed_lease_cannot_be_taken_over(db):
+    s = store(db)
+    claim = claim_due(s, OWNER)
+    seen = s.runs()[0]
+    assert s.renew(claim, "a", time.monotonic() + 60, (3, 10)) is False
+    assert s.claim(seen, OTHER, time.monotonic() + 30, 2000, 10, True, "lease expired") is None
+    assert s.runs()[0].progress_done == 3
+
+
+def test_writes_wait_for_the_lock_instead_of_failing(db):
+    store(db).close()
+    holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    threading.Timer(0.5, holder.execute, ["COMMIT"]).start()
+    s = al._Store(db, busy_timeout=10)
+    started = time.monotonic()
+    assert isinstance(claim_due(s, OWNER), al._Claim)
+    assert time.monotonic() - started >= 0.4
+
+
+def test_lock_held_past_the_busy_timeout_is_a_store_error(db):
+    store(db).close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreError, match="locked") as info:
+            claim_due(al._Store(db, busy_timeout=0.2), OWNER)
+        assert info.value.path == db
+    finally:
+        holder.execute("ROLLBACK")
+
+
+def test_missed_records_and_watermark_are_one_transaction(db):
+    s = store(db)
+    assert s.claim_due("job", 0, 3000, 4000, [(1000, None), (2000, "and 5 more")], False, True, OWNER, 0, 5000) is False
+    assert s.job("job").last_slot == 3000
+    assert [(r.slot, r.status, r.error) for r in reversed(s.history("job", 10))] == [
+        (1000, "missed", None), (2000, "missed", "and 5 more")]
+    # a stale watermark writes nothing
+    assert s.claim_due("job", 0, 3000, 4000, [(1000, None)], True, True, OWNER, 0, 5000) is None

@@ -1,0 +1,82 @@
+"""A scheduler process for the multi-process tests: ``python worker.py DB EVENTS MODE [LEASE]``.
+
+Every event is one JSON line appended to EVENTS, so the test can follow what each process did.
+Modes: ``every`` (a 500 ms job), ``export`` (the checkpointed recipe, triggered by the test),
+``block`` (an async handler that blocks the event loop for three and a half leases).
+"""
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from anarchon_lite import Aborted, LeaseLost, Scheduler  # noqa: E402
+
+DB, EVENTS, MODE = sys.argv[1:4]
+LEASE = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
+ME = f"{MODE}-{os.getpid()}"
+
+
+def emit(kind, **fields):
+    line = json.dumps({"event": kind, "pid": os.getpid(), "t": time.time(), **fields}) + "\n"
+    fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+async def tick(ctx):
+    emit("run", job=ctx.job, slot=ctx.slot, attempt=ctx.attempt)
+
+
+async def export(ctx):
+    after = await ctx.checkpoint.get(0)
+    emit("start", slot=ctx.slot, attempt=ctx.attempt, after=after)
+    try:
+        while after < 60:
+            await asyncio.sleep(0.1)
+            after += 1
+            await ctx.checkpoint.set(after)  # written before looking at the signal, on purpose
+            emit("saved", slot=ctx.slot, attempt=ctx.attempt, after=after)
+            ctx.signal.throw_if_aborted()
+    except LeaseLost as exc:
+        emit("refused", attempt=ctx.attempt, reason=type(ctx.signal.reason).__name__, error=str(exc))
+        raise
+    except Aborted as exc:
+        emit("aborted", attempt=ctx.attempt, reason=type(exc).__name__)
+        raise
+    await ctx.checkpoint.delete()
+    emit("done", slot=ctx.slot, attempt=ctx.attempt, after=after)
+
+
+async def block(ctx):
+    emit("start", slot=ctx.slot, attempt=ctx.attempt)
+    end = time.monotonic() + 3.5 * LEASE
+    n = 0
+    while time.monotonic() < end:  # never yields to the event loop
+        n += sum(range(1000))
+    emit("done", slot=ctx.slot, attempt=ctx.attempt)
+
+
+async def main():
+    scheduler = Scheduler(DB, instance=ME, poll=0.1)
+    if MODE == "every":
+        scheduler.every("tick", "500ms", tick)
+    elif MODE == "export":
+        scheduler.every("export", "24h", export, lease=LEASE)
+    elif MODE == "block":
+        scheduler.every("block", "24h", block, lease=LEASE)
+    runner = asyncio.ensure_future(scheduler.run())
+    await asyncio.sleep(0)
+    while scheduler._ready is None or not scheduler._ready.is_set():
+        await asyncio.sleep(0.01)
+    emit("ready", instance=ME)
+    await runner
+    emit("exit", instance=ME)
+
+
+asyncio.run(main())
