@@ -47,23 +47,17 @@ import threading
 import time
 import traceback
 import zoneinfo
+from collections.abc import Awaitable, Sequence
 from typing import (
     Any,
-    Awaitable,
     Callable,
-    Dict,
-    Iterable,
-    Iterator,
-    List,
-    Optional,
-    Sequence,
-    Tuple,
     TypeVar,
     Union,
 )
 
 from dateutil import rrule as _rrule
 from dateutil.relativedelta import relativedelta
+from typing_extensions import Self
 
 __version__ = "0.1.0"
 
@@ -108,7 +102,7 @@ class AnarchonError(Exception):
 class ConfigError(AnarchonError, ValueError):
     """A declaration or an argument is wrong. ``job`` and ``option`` name what, when known."""
 
-    def __init__(self, message: str, *, job: Optional[str] = None, option: Optional[str] = None):
+    def __init__(self, message: str, *, job: str | None = None, option: str | None = None):
         where = ", ".join(
             part for part in (f"job {job!r}" if job else "", f"option {option!r}" if option else "") if part
         )
@@ -159,7 +153,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)(?![a-z])")
 
 
 def parse_duration(
-    value: DurationLike, *, job: Optional[str] = None, option: Optional[str] = None, allow_zero: bool = False
+    value: DurationLike, *, job: str | None = None, option: str | None = None, allow_zero: bool = False
 ) -> float:
     """Return a duration in seconds from seconds, a ``timedelta`` or a string such as ``"1h30m"``.
 
@@ -181,7 +175,7 @@ def parse_duration(
     return seconds
 
 
-def _parse_duration_text(text: str, job: Optional[str], option: Optional[str]) -> float:
+def _parse_duration_text(text: str, job: str | None, option: str | None) -> float:
     compact = text.strip().lower()
     pos, total = 0, 0.0
     for match in _DURATION_PART.finditer(compact):
@@ -255,10 +249,10 @@ class CancelToken:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reason: Optional[BaseException] = None
-        self._callbacks: Dict[int, Callable[[BaseException], None]] = {}
+        self._reason: BaseException | None = None
+        self._callbacks: dict[int, Callable[[BaseException], object]] = {}
         self._next_id = 0
-        self._detach: Optional[Callable[[], None]] = None
+        self._detach: Callable[[], None] | None = None
 
     @property
     def aborted(self) -> bool:
@@ -266,11 +260,11 @@ class CancelToken:
         return self._reason is not None
 
     @property
-    def reason(self) -> Optional[BaseException]:
+    def reason(self) -> BaseException | None:
         """The exception the token was aborted with, or ``None``."""
         return self._reason
 
-    def abort(self, reason: Optional[BaseException] = None) -> bool:
+    def abort(self, reason: BaseException | None = None) -> bool:
         """Abort with ``reason`` (default ``Cancelled()``); return whether this call did it."""
         with self._lock:
             if self._reason is not None:
@@ -291,7 +285,7 @@ class CancelToken:
         if reason is not None:
             raise reason
 
-    def on_abort(self, callback: Callable[[BaseException], None]) -> Callable[[], None]:
+    def on_abort(self, callback: Callable[[BaseException], object]) -> Callable[[], None]:
         """Call ``callback(reason)`` on abort (at once if already aborted); return a remover."""
         with self._lock:
             if self._reason is None:
@@ -318,11 +312,13 @@ class CancelToken:
         return token
 
     @classmethod
-    def after(cls, delay: DurationLike, reason: Optional[BaseException] = None) -> CancelToken:
+    def after(cls, delay: DurationLike, reason: BaseException | None = None) -> CancelToken:
         """A token that aborts by itself after ``delay`` (default reason ``RunTimeout``)."""
         seconds = parse_duration(delay, option="delay")
         token = cls()
-        timer = threading.Timer(seconds, token.abort, [reason or RunTimeout(f"timed out after {format_duration(seconds)}")])
+        timer = threading.Timer(
+            seconds, token.abort, [reason or RunTimeout(f"timed out after {format_duration(seconds)}")]
+        )
         timer.daemon = True
         token.on_abort(lambda _reason: timer.cancel())
         timer.start()
@@ -387,10 +383,10 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _call_quietly(callback: Callable[[BaseException], None], reason: BaseException) -> None:
+def _call_quietly(callback: Callable[[BaseException], object], reason: BaseException) -> None:
     try:
         callback(reason)
-    except Exception:
+    except Exception:  # noqa: BLE001 - one failing callback must not stop the others
         _log.exception("cancellation callback %r failed", callback)
 
 
@@ -412,7 +408,7 @@ _DST_REACH = _dt.timedelta(hours=3)  # wider than any daylight-saving shift in t
 class _Schedule:
     description = ""
 
-    def next_after(self, after_ms: int) -> Optional[int]:
+    def next_after(self, after_ms: int) -> int | None:
         raise NotImplementedError
 
 
@@ -424,7 +420,7 @@ class _Every(_Schedule):
             f" offset {format_duration(offset)}" if offset else ""
         )
 
-    def next_after(self, after_ms: int) -> Optional[int]:
+    def next_after(self, after_ms: int) -> int | None:
         steps = (after_ms - self.offset) // self.interval + 1
         return steps * self.interval + self.offset
 
@@ -446,7 +442,7 @@ def _local_zone() -> _dt.tzinfo:
         return _UTC
 
 
-def _zone(tz: Union[None, str, _dt.tzinfo], job: str) -> _dt.tzinfo:
+def _zone(tz: None | str | _dt.tzinfo, job: str) -> _dt.tzinfo:
     if tz is None:
         return _local_zone()
     if isinstance(tz, _dt.tzinfo):
@@ -457,9 +453,9 @@ def _zone(tz: Union[None, str, _dt.tzinfo], job: str) -> _dt.tzinfo:
         raise ConfigError(f"unknown time zone {tz!r} ({exc})", job=job, option="tz") from None
 
 
-def _instants(naive: _dt.datetime, zone: _dt.tzinfo) -> List[_dt.datetime]:
+def _instants(naive: _dt.datetime, zone: _dt.tzinfo) -> list[_dt.datetime]:
     """The UTC instants at which the local time ``naive`` happens: none (gap), one or two."""
-    found: List[_dt.datetime] = []
+    found: list[_dt.datetime] = []
     for fold in (0, 1):
         moment = naive.replace(tzinfo=zone, fold=fold).astimezone(_UTC)
         if moment.astimezone(zone).replace(tzinfo=None) == naive and moment not in found:
@@ -491,10 +487,10 @@ class _Calendar(_Schedule):
     zone: _dt.tzinfo
     elapsed: bool
 
-    def _naive_after(self, naive: _dt.datetime) -> Optional[_dt.datetime]:
+    def _naive_after(self, naive: _dt.datetime) -> _dt.datetime | None:
         raise NotImplementedError
 
-    def next_after(self, after_ms: int) -> Optional[int]:
+    def next_after(self, after_ms: int) -> int | None:
         after = _utc_from_ms(after_ms)
         found = self._next_elapsed(after) if self.elapsed else self._next_wall(after)
         return None if found is None else _ms_from_dt(found)
@@ -506,8 +502,8 @@ class _Calendar(_Schedule):
         offset = moment.astimezone(self.zone).utcoffset()
         return any((moment + d).astimezone(self.zone).utcoffset() != offset for d in (-_DST_REACH, _DST_REACH))
 
-    def _next_wall(self, after: _dt.datetime) -> Optional[_dt.datetime]:
-        naive: Optional[_dt.datetime] = self._local(after)
+    def _next_wall(self, after: _dt.datetime) -> _dt.datetime | None:
+        naive: _dt.datetime | None = self._local(after)
         while naive is not None:
             naive = self._naive_after(naive)
             if naive is None:
@@ -518,12 +514,12 @@ class _Calendar(_Schedule):
                 return moment
         return None
 
-    def _next_elapsed(self, after: _dt.datetime) -> Optional[_dt.datetime]:
+    def _next_elapsed(self, after: _dt.datetime) -> _dt.datetime | None:
         start = self._local(after)
         if self._near_transition(after):
             start -= _DST_REACH
-        best: Optional[_dt.datetime] = None
-        naive: Optional[_dt.datetime] = start
+        best: _dt.datetime | None = None
+        naive: _dt.datetime | None = start
         while True:
             naive = self._naive_after(naive) if naive is not None else None
             if naive is None or (best is not None and naive > self._local(best) + _DST_REACH):
@@ -544,9 +540,12 @@ _CRON_NICKNAMES = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
-_MONTH_NAMES = {name: i + 1 for i, name in enumerate("JAN FEB MAR APR MAY JUN JUL AUG SEP OCT NOV DEC".split())}
-_DAY_NAMES = {name: i for i, name in enumerate("SUN MON TUE WED THU FRI SAT".split())}
-_CRON_FIELDS = (
+_MONTH_NAMES = {
+    name: i + 1
+    for i, name in enumerate(["JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC"])
+}
+_DAY_NAMES = {name: i for i, name in enumerate(["SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"])}
+_CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
     ("minute", 0, 59, {}),
     ("hour", 0, 23, {}),
     ("day of month", 1, 31, {}),
@@ -555,7 +554,7 @@ _CRON_FIELDS = (
 )
 
 
-def _cron_field(text: str, index: int, job: str) -> List[int]:
+def _cron_field(text: str, index: int, job: str) -> list[int]:
     name, low, high, names = _CRON_FIELDS[index]
 
     def number(token: str) -> int:
@@ -619,7 +618,7 @@ class _Cron(_Calendar):
             return dom and dow
         return dom or dow
 
-    def _naive_after(self, naive: _dt.datetime) -> Optional[_dt.datetime]:
+    def _naive_after(self, naive: _dt.datetime) -> _dt.datetime | None:
         moment = naive.replace(second=0, microsecond=0) + _MINUTE
         limit = moment.year + 30
         while moment.year <= limit:
@@ -659,14 +658,18 @@ _FREQ_STEP = {
 
 
 class _RRule(_Calendar):
-    def __init__(self, rule: Union[str, _rrule.rrule], zone: Optional[_dt.tzinfo], job: str):
+    def __init__(self, rule: str | _rrule.rrule, zone: _dt.tzinfo | None, job: str):
         if isinstance(rule, str):
             rule = self._parse(rule, job)
         if not isinstance(rule, _rrule.rrule):
-            raise ConfigError(f"rrule must be an RFC 5545 string or a dateutil rrule, not {rule!r}", job=job, option="rrule")
+            raise ConfigError(
+                f"rrule must be an RFC 5545 string or a dateutil rrule, not {rule!r}", job=job, option="rrule"
+            )
         start: _dt.datetime = rule._dtstart  # type: ignore[attr-defined]
         self.zone = zone or start.tzinfo or _local_zone()
-        replace: Dict[str, Any] = {"dtstart": start.astimezone(self.zone).replace(tzinfo=None) if start.tzinfo else start}
+        replace: dict[str, Any] = {
+            "dtstart": start.astimezone(self.zone).replace(tzinfo=None) if start.tzinfo else start
+        }
         until = rule._until  # type: ignore[attr-defined]
         if until is not None and until.tzinfo is not None:
             replace["until"] = until.astimezone(self.zone).replace(tzinfo=None)
@@ -674,8 +677,8 @@ class _RRule(_Calendar):
         self.freq: int = rule._freq  # type: ignore[attr-defined]
         self.interval: int = rule._interval  # type: ignore[attr-defined]
         self.elapsed = self.freq >= _rrule.HOURLY
-        self.description = f"rrule {rule_text(self.rule)} {getattr(self.zone, 'key', None) or self.zone}"
-        self._shifted: Optional[Tuple[_dt.datetime, _rrule.rrule]] = None
+        self.description = f"rrule {_rule_text(self.rule)} {getattr(self.zone, 'key', None) or self.zone}"
+        self._shifted: tuple[_dt.datetime, _rrule.rrule] | None = None
 
     @staticmethod
     def _parse(text: str, job: str) -> _rrule.rrule:
@@ -686,7 +689,9 @@ class _RRule(_Calendar):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"cannot read rrule {text!r}: {exc}", job=job, option="rrule") from None
         if not isinstance(parsed, _rrule.rrule):
-            raise ConfigError(f"rrule {text!r}: only one RRULE (with an optional DTSTART) is supported", job=job, option="rrule")
+            raise ConfigError(
+                f"rrule {text!r}: only one RRULE (with an optional DTSTART) is supported", job=job, option="rrule"
+            )
         return parsed
 
     def _rule_near(self, naive: _dt.datetime) -> _rrule.rrule:
@@ -699,7 +704,7 @@ class _RRule(_Calendar):
         if self.rule._count is not None or naive <= start:  # type: ignore[attr-defined]
             return self.rule
         unit = _FREQ_STEP[self.freq]
-        period = relativedelta(**{unit: self.interval})
+        period = _steps(unit, self.interval)
         target = naive - period - period
         if target <= start:
             return self.rule
@@ -709,19 +714,24 @@ class _RRule(_Calendar):
         else:
             size = {"weeks": 604800, "days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}[unit]
             whole = int((target - start).total_seconds() // size)
-        moved = start + relativedelta(**{unit: whole // self.interval * self.interval})
+        moved = start + _steps(unit, whole // self.interval * self.interval)
         if unit in ("years", "months") and moved.day != start.day:  # a month without that day
             return self.rule
         if self._shifted is None or self._shifted[0] != moved:
             self._shifted = (moved, self.rule.replace(dtstart=moved))
         return self._shifted[1]
 
-    def _naive_after(self, naive: _dt.datetime) -> Optional[_dt.datetime]:
-        found: Optional[_dt.datetime] = self._rule_near(naive).after(naive, inc=False)
+    def _naive_after(self, naive: _dt.datetime) -> _dt.datetime | None:
+        found: _dt.datetime | None = self._rule_near(naive).after(naive, inc=False)
         return found
 
 
-def rule_text(rule: _rrule.rrule) -> str:
+def _steps(unit: str, count: int) -> relativedelta:
+    size: dict[str, Any] = {unit: count}
+    return relativedelta(**size)
+
+
+def _rule_text(rule: _rrule.rrule) -> str:
     return str(rule).split("\n")[-1].replace("RRULE:", "")
 
 
@@ -797,9 +807,7 @@ _SQL_RUN_COLUMNS = (
 _SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
 _SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS} FROM runs ORDER BY job, slot"
 _SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
-_SQL_INSERT_RUN = (
-    "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
-)
+_SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
 _SQL_TAKE_RUN = (
     "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
     "owner_ns = ?, boot_id = ?, lease_until = ?, started_at = ?, progress_done = NULL, progress_total = NULL "
@@ -821,8 +829,12 @@ _SQL_RECORD = (
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
     "finished_at = excluded.finished_at, error = excluded.error"
 )
-_SQL_END_ATTEMPT = "UPDATE history SET status = ?, finished_at = ?, error = ? WHERE job = ? AND slot = ? AND attempt = ?"
-_SQL_SLOT_USED = "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
+_SQL_END_ATTEMPT = (
+    "UPDATE history SET status = ?, finished_at = ?, error = ? WHERE job = ? AND slot = ? AND attempt = ?"
+)
+_SQL_SLOT_USED = (
+    "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
+)
 _SQL_HISTORY = (
     "SELECT job, slot, attempt, status, instance, started_at, finished_at, error FROM history "
     "WHERE (? IS NULL OR job = ?) ORDER BY id DESC LIMIT ?"
@@ -850,9 +862,9 @@ class _Owner:
 
     instance: str
     pid: int
-    start: Optional[int]
-    namespace: Optional[str]
-    boot_id: Optional[str]
+    start: int | None
+    namespace: str | None
+    boot_id: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -861,7 +873,7 @@ class _JobRow:
     schedule: str
     paused: bool
     last_slot: int
-    next_slot: Optional[int]
+    next_slot: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -872,16 +884,16 @@ class _RunRow:
     state: str
     not_before: int
     failures: int
-    owner: Optional[str]
-    owner_pid: Optional[int]
-    owner_start: Optional[int]
-    owner_ns: Optional[str]
-    boot_id: Optional[str]
-    lease_until: Optional[float]
+    owner: str | None
+    owner_pid: int | None
+    owner_start: int | None
+    owner_ns: str | None
+    boot_id: str | None
+    lease_until: float | None
     cancel: bool
-    progress_done: Optional[float]
-    progress_total: Optional[float]
-    started_at: Optional[int]
+    progress_done: float | None
+    progress_total: float | None
+    started_at: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -900,17 +912,17 @@ class RunRecord:
     slot: int
     attempt: int
     status: str
-    instance: Optional[str]
-    started_at: Optional[_dt.datetime]
-    finished_at: Optional[_dt.datetime]
-    error: Optional[str]
+    instance: str | None
+    started_at: _dt.datetime | None
+    finished_at: _dt.datetime | None
+    error: str | None
 
     @property
     def scheduled_at(self) -> _dt.datetime:
         return _utc_from_ms(self.slot)
 
 
-def _dt_or_none(ms: Optional[int]) -> Optional[_dt.datetime]:
+def _dt_or_none(ms: int | None) -> _dt.datetime | None:
     return None if ms is None else _utc_from_ms(ms)
 
 
@@ -928,7 +940,7 @@ class _Store:
         self.path = path
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
-        self._conn: Optional[sqlite3.Connection] = None
+        self._conn: sqlite3.Connection | None = None
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -1010,7 +1022,7 @@ class _Store:
                 raise StoreError(self.path, _explain(exc)) from None
             raise
 
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> List[Any]:
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
         conn = self._connect()
         try:
             return conn.execute(sql, args).fetchall()
@@ -1023,7 +1035,7 @@ class _Store:
 
     # -- jobs -------------------------------------------------------------------------------------
 
-    def register(self, names_and_schedules: Sequence[Tuple[str, str]], now_ms: int) -> None:
+    def register(self, names_and_schedules: Sequence[tuple[str, str]], now_ms: int) -> None:
         """Add jobs not yet in the file, with their watermark at ``now_ms`` (nothing missed)."""
 
         def work(conn: sqlite3.Connection) -> None:
@@ -1031,14 +1043,14 @@ class _Store:
 
         self._write(work)
 
-    def jobs(self) -> List[_JobRow]:
+    def jobs(self) -> list[_JobRow]:
         return [_JobRow(r[0], r[1], bool(r[2]), r[3], r[4]) for r in self._read(_SQL_JOBS)]
 
-    def job(self, name: str) -> Optional[_JobRow]:
+    def job(self, name: str) -> _JobRow | None:
         rows = self._read(_SQL_JOB, (name,))
         return _JobRow(rows[0][0], rows[0][1], bool(rows[0][2]), rows[0][3], rows[0][4]) if rows else None
 
-    def newest_slot(self) -> Optional[int]:
+    def newest_slot(self) -> int | None:
         value = self._read(_SQL_NEWEST_SLOT)[0][0]
         return None if value is None else int(value)
 
@@ -1050,7 +1062,7 @@ class _Store:
 
         return self._write(work)
 
-    def runs(self) -> List[_RunRow]:
+    def runs(self) -> list[_RunRow]:
         return [_run_row(r) for r in self._read(_SQL_RUNS)]
 
     # -- claims -----------------------------------------------------------------------------------
@@ -1060,14 +1072,14 @@ class _Store:
         job: str,
         expected_last: int,
         slot: int,
-        next_slot: Optional[int],
-        missed: Sequence[Tuple[int, Optional[str]]],
+        next_slot: int | None,
+        missed: Sequence[tuple[int, str | None]],
         run: bool,
         skip_if_busy: bool,
         owner: _Owner,
         lease_until: float,
         now_ms: int,
-    ) -> Union[None, bool, _Claim]:
+    ) -> None | bool | _Claim:
         """Record the occurrences up to ``slot`` and claim ``slot`` for ``owner``.
 
         Atomic compare-and-set on the job's watermark: returns ``None`` when another process moved
@@ -1075,7 +1087,7 @@ class _Store:
         or missed when ``run`` is false), else the claim of attempt 1.
         """
 
-        def work(conn: sqlite3.Connection) -> Union[None, bool, _Claim]:
+        def work(conn: sqlite3.Connection) -> None | bool | _Claim:
             if conn.execute(_SQL_ADVANCE, (slot, next_slot, job, expected_last)).rowcount != 1:
                 return None
             records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in missed]
@@ -1112,7 +1124,7 @@ class _Store:
         max_attempts: int,
         skip_if_busy: bool,
         reason: str = "",
-    ) -> Optional[_Claim]:
+    ) -> _Claim | None:
         """Claim a pending run, or take over a running one whose owner is gone (``reason`` says why).
 
         Compare-and-set on the whole row as the caller saw it: if the owner renewed its lease, or
@@ -1120,7 +1132,7 @@ class _Store:
         previous attempt as ``interrupted``. Past ``max_attempts`` the run is ``failed`` for good.
         """
 
-        def work(conn: sqlite3.Connection) -> Optional[_Claim]:
+        def work(conn: sqlite3.Connection) -> _Claim | None:
             rows = conn.execute(_SQL_RUN, (expected.job, expected.slot)).fetchall()
             if not rows or _run_row(rows[0]) != expected:
                 return None
@@ -1128,9 +1140,11 @@ class _Store:
             if expected.state == "running":
                 conn.execute(_SQL_END_ATTEMPT, ("interrupted", now_ms, reason, job, slot, attempt))
             if expected.cancel:
-                return self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
+                self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
+                return None
             if attempt >= max_attempts:
-                return self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
+                self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
+                return None
             if attempt == 0 and skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
                 conn.execute(_SQL_DELETE_RUN, (job, slot))
                 self._skip(conn, job, slot, owner, now_ms)
@@ -1140,7 +1154,9 @@ class _Store:
         return self._write(work)
 
     def _skip(self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, now_ms: int) -> None:
-        conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished"))
+        conn.execute(
+            _SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished")
+        )
         self._prune(conn, job)
 
     def _end(self, conn: sqlite3.Connection, row: _RunRow, status: str, error: str, now_ms: int) -> None:
@@ -1151,8 +1167,8 @@ class _Store:
     # -- an attempt's writes (fenced) -------------------------------------------------------------
 
     def renew(
-        self, claim: _Claim, owner: str, lease_until: float, progress: Tuple[Optional[float], Optional[float]]
-    ) -> Optional[bool]:
+        self, claim: _Claim, owner: str, lease_until: float, progress: tuple[float | None, float | None]
+    ) -> bool | None:
         """Extend the lease; ``None`` if the attempt no longer holds the run, else the cancel flag."""
         conn = self._connect()
         try:
@@ -1171,7 +1187,7 @@ class _Store:
         claim: _Claim,
         owner: str,
         status: str,
-        error: Optional[str],
+        error: str | None,
         now_ms: int,
         then: str = "done",
         not_before: int = 0,
@@ -1231,12 +1247,12 @@ class _Store:
 
     # -- checkpoints and history ------------------------------------------------------------------
 
-    def checkpoint_get(self, job: str, slot: int) -> Optional[str]:
+    def checkpoint_get(self, job: str, slot: int) -> str | None:
         rows = self._read(_SQL_CHECKPOINT_GET, (job, slot))
         return rows[0][0] if rows else None
 
     def checkpoint_write(
-        self, job: str, slot: int, value: Optional[str], now_ms: int, fence: Optional[Tuple[int, str]]
+        self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
     ) -> bool:
         """Set (or, with ``value`` None, delete) a checkpoint; with ``fence`` (attempt, owner), only
         while that attempt holds the run. Returns whether it was written."""
@@ -1252,7 +1268,7 @@ class _Store:
 
         return self._write(work)
 
-    def history(self, job: Optional[str], limit: int) -> List[RunRecord]:
+    def history(self, job: str | None, limit: int) -> list[RunRecord]:
         return [
             RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7])
             for r in self._read(_SQL_HISTORY, (job, job, limit))
@@ -1283,7 +1299,7 @@ def _explain(exc: sqlite3.Error) -> str:
 ###############################################################################
 
 
-def _read_text(path: str) -> Optional[str]:
+def _read_text(path: str) -> str | None:
     try:
         with open(path) as handle:
             return handle.read().strip()
@@ -1291,7 +1307,7 @@ def _read_text(path: str) -> Optional[str]:
         return None
 
 
-def _process_start(pid: int) -> Optional[Tuple[str, int]]:
+def _process_start(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
     text = _read_text(f"/proc/{pid}/stat")
     if text is None:
@@ -1308,10 +1324,12 @@ def _this_owner(instance: str) -> _Owner:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         pass
-    return _Owner(instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id"))
+    return _Owner(
+        instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id")
+    )
 
 
-def _owner_gone(row: _RunRow, me: _Owner) -> Optional[str]:
+def _owner_gone(row: _RunRow, me: _Owner) -> str | None:
     """Why the process that holds ``row`` no longer exists, or None when it may be alive.
 
     Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
@@ -1342,12 +1360,12 @@ class _Timers(threading.Thread):
         super().__init__(name=name, daemon=True)
         self._clock = clock
         self._cond = threading.Condition()
-        self._heap: List[Tuple[float, int, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []
         self._cancelled: set[int] = set()
         self._seq = 0
         self._stopped = False
 
-    def call_at(self, deadline: float, callback: Callable[[], None]) -> Callable[[], None]:
+    def call_at(self, deadline: float, callback: Callable[[], object]) -> Callable[[], None]:
         with self._cond:
             self._seq += 1
             seq = self._seq
@@ -1380,7 +1398,7 @@ class _Timers(threading.Thread):
                 _deadline, _seq, callback = heapq.heappop(self._heap)
             try:
                 callback()
-            except Exception:
+            except Exception:  # noqa: BLE001 - the timer thread must outlive a failing callback
                 _log.exception("timer callback failed")
 
 
@@ -1388,7 +1406,7 @@ class _Timers(threading.Thread):
 class _Lateness:
     """Heartbeat lateness samples (seconds), kept for the benchmark and for ``status()``."""
 
-    samples: List[float] = dataclasses.field(default_factory=list)
+    samples: list[float] = dataclasses.field(default_factory=list)
     lost: int = 0
 
     def add(self, value: float) -> None:
@@ -1410,7 +1428,7 @@ class _Heartbeats(threading.Thread):
         self._store = _Store(path, busy_timeout=busy_timeout, synchronous="NORMAL")
         self._clock = clock
         self._cond = threading.Condition()
-        self._plans: List[Tuple[float, int, _Attempt]] = []
+        self._plans: list[tuple[float, int, _Attempt]] = []
         self._stopped = False
         self.lateness = _Lateness()
 
@@ -1472,13 +1490,20 @@ class _Watchdog:
     suspended), in which case nothing is reported.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, timers: _Timers, clock: Clock, threshold: float, describe: Callable[[int], str]):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        timers: _Timers,
+        clock: Clock,
+        threshold: float,
+        describe: Callable[[int], str],
+    ):
         self._loop, self._timers, self._clock = loop, timers, clock
         self._threshold = threshold
         self._describe = describe
         self._loop_thread = threading.get_ident()
         self._active = 0
-        self._sent: Optional[float] = None
+        self._sent: float | None = None
         self._warned = False
         self._planned = 0.0
         self._cancel: Callable[[], None] = _nothing
@@ -1522,7 +1547,9 @@ class _Watchdog:
                 self._warned = True
                 self.warnings += 1
                 _log.warning(
-                    "the event loop has been blocked for %.1f s: %s", now - self._sent, self._describe(self._loop_thread)
+                    "the event loop has been blocked for %.1f s: %s",
+                    now - self._sent,
+                    self._describe(self._loop_thread),
                 )
             self._schedule()
 
@@ -1535,28 +1562,28 @@ _OVERLAP = ("skip", "allow")
 _ON_TIME = 5.0  # seconds: an occurrence found later than this after its time was missed (downtime)
 _MISSED_RECORDS = 100
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
-_current_attempt: contextvars.ContextVar[Optional[_Attempt]] = contextvars.ContextVar("anarchon_attempt", default=None)
+_current_attempt: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("anarchon_attempt", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    timeout: Optional[float]
+    timeout: float | None
     overlap: str
     lease: float
     retries: int
     retry_delay: float
     max_attempts: int
     grace: float
-    catch_up: Optional[float]
+    catch_up: float | None
 
 
-def _options(job: str, given: Dict[str, Any]) -> _Options:
+def _options(job: str, given: dict[str, Any]) -> _Options:
     known = {"timeout", "overlap", "lease", "retries", "retry_delay", "max_attempts", "grace", "catch_up"}
     for key in given:
         if key not in known:
             raise ConfigError(f"unknown option (known: {', '.join(sorted(known))})", job=job, option=key)
 
-    def duration(key: str, default: Optional[DurationLike]) -> Optional[float]:
+    def duration(key: str, default: DurationLike | None) -> float | None:
         value = given.get(key, default)
         return None if value is None else parse_duration(value, job=job, option=key)
 
@@ -1600,12 +1627,12 @@ class _Attempt:
     token: CancelToken
     lease: float
     renew_every: float
-    progress: Tuple[Optional[float], Optional[float]] = (None, None)
+    progress: tuple[float | None, float | None] = (None, None)
     done: bool = False
 
 
 class _JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    def process(self, msg: Any, kwargs: Any) -> Tuple[Any, Any]:
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         extra = self.extra or {}
         return f"[{extra['job']} slot={extra['slot']} attempt={extra['attempt']}] {msg}", kwargs
 
@@ -1635,7 +1662,7 @@ class CheckpointStore:
         """Forget the value of (job, slot)."""
         await self._write(job, slot, None, _current_attempt.get())
 
-    async def _write(self, job: str, slot: int, text: Optional[str], attempt: Optional[_Attempt]) -> None:
+    async def _write(self, job: str, slot: int, text: str | None, attempt: _Attempt | None) -> None:
         fence = None
         if attempt is not None and (attempt.claim.job, attempt.claim.slot) == (job, slot):
             fence = (attempt.claim.attempt, attempt.owner)
@@ -1708,7 +1735,7 @@ class RunContext:
     log: logging.LoggerAdapter  # type: ignore[type-arg]
     _attempt: _Attempt = dataclasses.field(repr=False)
 
-    def progress(self, done: float, total: Optional[float] = None) -> None:
+    def progress(self, done: float, total: float | None = None) -> None:
         """Report progress; it travels with the next heartbeat, never as a write of its own."""
         self._attempt.progress = (float(done), None if total is None else float(total))
 
@@ -1721,10 +1748,10 @@ class RunInfo:
     slot: int
     attempt: int
     state: str
-    owner: Optional[str]
-    started_at: Optional[_dt.datetime]
-    age: Optional[float]
-    progress: Optional[Tuple[float, Optional[float]]]
+    owner: str | None
+    started_at: _dt.datetime | None
+    age: float | None
+    progress: tuple[float, float | None] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1734,14 +1761,14 @@ class JobStatus:
     name: str
     schedule: str
     paused: bool
-    next_at: Optional[_dt.datetime]
-    runs: Tuple[RunInfo, ...]
+    next_at: _dt.datetime | None
+    runs: tuple[RunInfo, ...]
 
 
 @dataclasses.dataclass
 class _Outcome:
-    status: Optional[str]  # None: the attempt lost its run, nothing to write
-    error: Optional[str] = None
+    status: str | None  # None: the attempt lost its run, nothing to write
+    error: str | None = None
     retryable: bool = False
 
 
@@ -1757,10 +1784,10 @@ class Scheduler:
 
     def __init__(
         self,
-        path: Union[str, os.PathLike],  # type: ignore[type-arg]
+        path: str | os.PathLike,  # type: ignore[type-arg]
         *,
-        instance: Optional[str] = None,
-        clock: Optional[Clock] = None,
+        instance: str | None = None,
+        clock: Clock | None = None,
         poll: float = 0.5,
         busy_timeout: float = 30.0,
         retention: int = 1000,
@@ -1773,46 +1800,70 @@ class Scheduler:
         self._busy_timeout = busy_timeout
         self._retention = retention
         self._blocked_warning = blocked_warning
-        self._jobs: Dict[str, _Job] = {}
-        self._store: Optional[_Store] = None
-        self._store_thread: Optional[_StoreThread] = None
+        self._jobs: dict[str, _Job] = {}
+        self._store: _Store | None = None
+        self._store_thread: _StoreThread | None = None
         self._registered = False
         self._owner = _this_owner(self.instance)
-        self._attempts: Dict[Tuple[str, int], _Attempt] = {}
+        self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._signal_tasks: set[asyncio.Task[None]] = set()
-        self._main: Optional[asyncio.Task[None]] = None
+        self._main: asyncio.Task[None] | None = None
         self._stopping = False
         self._stop_grace = 10.0
-        self._wake: Optional[asyncio.Event] = None
-        self._heartbeats: Optional[_Heartbeats] = None
-        self._timers: Optional[_Timers] = None
-        self._watchdog: Optional[_Watchdog] = None
+        self._wake: asyncio.Event | None = None
+        self._heartbeats: _Heartbeats | None = None
+        self._timers: _Timers | None = None
+        self._watchdog: _Watchdog | None = None
         self._clock_warned = False
         self._dirty = True
-        self._ready: Optional[asyncio.Event] = None
+        self._ready: asyncio.Event | None = None
         self.checkpoints = CheckpointStore(self)
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
-    def every(self, name: str, interval: DurationLike, handler: Optional[Handler] = None, *, offset: DurationLike = 0, **options: Any) -> Any:
+    def every(
+        self,
+        name: str,
+        interval: DurationLike,
+        handler: Handler | None = None,
+        *,
+        offset: DurationLike = 0,
+        **options: Any,
+    ) -> Any:
         """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
         seconds = parse_duration(interval, job=name, option="interval")
         shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
         return self._declare(name, _Every(seconds, shift), handler, options)
 
-    def cron(self, name: str, expr: str, handler: Optional[Handler] = None, *, tz: Union[None, str, _dt.tzinfo] = None, **options: Any) -> Any:
+    def cron(
+        self,
+        name: str,
+        expr: str,
+        handler: Handler | None = None,
+        *,
+        tz: None | str | _dt.tzinfo = None,
+        **options: Any,
+    ) -> Any:
         """Run ``handler`` on a 5-field cron schedule in zone ``tz`` (default: the local zone)."""
         if not isinstance(expr, str):
             raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
         return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
 
-    def rrule(self, name: str, rule: Union[str, _rrule.rrule], handler: Optional[Handler] = None, *, tz: Union[None, str, _dt.tzinfo] = None, **options: Any) -> Any:
+    def rrule(
+        self,
+        name: str,
+        rule: str | _rrule.rrule,
+        handler: Handler | None = None,
+        *,
+        tz: None | str | _dt.tzinfo = None,
+        **options: Any,
+    ) -> Any:
         """Run ``handler`` on an RFC 5545 recurrence rule (string or ``dateutil.rrule.rrule``)."""
         zone = None if tz is None else _zone(tz, name)
         return self._declare(name, _RRule(rule, zone, name), handler, options)
 
-    def _declare(self, name: str, schedule: _Schedule, handler: Optional[Handler], given: Dict[str, Any]) -> Any:
+    def _declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"job name must be a non-empty string, not {name!r}")
         if name in self._jobs:
@@ -1824,14 +1875,13 @@ class Scheduler:
                 raise ConfigError(f"handler must be callable, not {function!r}", job=name)
             if name in self._jobs:
                 raise ConfigError("a job with this name is already declared", job=name)
-            is_async = inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
-            self._jobs[name] = _Job(name, schedule, function, options, is_async)
+            self._jobs[name] = _Job(name, schedule, function, options, _is_async(function))
             self._registered = False
             return function
 
         return register if handler is None else register(handler)
 
-    def upcoming(self, name: str, count: int = 5, after: Optional[_dt.datetime] = None) -> List[_dt.datetime]:
+    def upcoming(self, name: str, count: int = 5, after: _dt.datetime | None = None) -> list[_dt.datetime]:
         """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now),
         as aware UTC datetimes. Pure schedule math: no database, no clock but the default."""
         job = self._job(name)
@@ -1905,11 +1955,11 @@ class Scheduler:
                 attempt.token.abort(Cancelled(f"{name}: cancelled"))
         return count
 
-    async def history(self, job: Optional[str] = None, limit: int = 100) -> List[RunRecord]:
+    async def history(self, job: str | None = None, limit: int = 100) -> list[RunRecord]:
         """The newest ``limit`` records (of ``job``, or of every job), newest first."""
         return await self._call_store(lambda s: s.history(job, limit))
 
-    async def status(self) -> List[JobStatus]:
+    async def status(self) -> list[JobStatus]:
         """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
         jobs, runs = await self._call_store(lambda s: (s.jobs(), s.runs()))
         now_wall = self._clock.time()
@@ -1948,7 +1998,7 @@ class Scheduler:
         self._signal_tasks.add(task)
         task.add_done_callback(self._signal_tasks.discard)
 
-    async def __aenter__(self) -> Scheduler:
+    async def __aenter__(self) -> Self:
         """Start the scheduler in the background; returns once it has looked at the file once."""
         self._ready = ready = asyncio.Event()
         self._main = asyncio.get_running_loop().create_task(self._serve())
@@ -1959,7 +2009,7 @@ class Scheduler:
             self._main.result()
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
     async def stop(self, grace: DurationLike = 10.0) -> None:
@@ -1985,7 +2035,9 @@ class Scheduler:
         self._stopping = False
         self._wake = asyncio.Event()
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
-        self._heartbeats = _Heartbeats(self.path, self._clock, self._busy_timeout, f"anarchon-heartbeat-{self.instance}")
+        self._heartbeats = _Heartbeats(
+            self.path, self._clock, self._busy_timeout, f"anarchon-heartbeat-{self.instance}"
+        )
         self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
         self._timers.start()
         self._heartbeats.start()
@@ -2076,8 +2128,16 @@ class Scheduler:
         lease_until = self._clock.monotonic() + job.options.lease
         claim = await self._call_store(
             lambda s: s.claim_due(
-                job.name, row.last_slot, plan.slot, plan.next_slot, plan.missed, plan.run,
-                job.options.overlap == "skip", self._owner, lease_until, now_ms,
+                job.name,
+                row.last_slot,
+                plan.slot,
+                plan.next_slot,
+                plan.missed,
+                plan.run,
+                job.options.overlap == "skip",
+                self._owner,
+                lease_until,
+                now_ms,
             )
         )
         if isinstance(claim, _Claim):
@@ -2108,7 +2168,9 @@ class Scheduler:
             reason = gone or "lease expired"
         lease_until = self._clock.monotonic() + job.options.lease
         claim = await self._call_store(
-            lambda s: s.claim(run, self._owner, lease_until, now_ms, job.options.max_attempts, job.options.overlap == "skip", reason)
+            lambda s: s.claim(
+                run, self._owner, lease_until, now_ms, job.options.max_attempts, job.options.overlap == "skip", reason
+            )
         )
         if claim is not None:
             self._start(job, claim)
@@ -2149,7 +2211,10 @@ class Scheduler:
     def _context(self, attempt: _Attempt) -> RunContext:
         claim = attempt.claim
         loop = asyncio.get_running_loop()
-        logger = _JobLog(logging.getLogger(f"anarchon_lite.job.{claim.job}"), {"job": claim.job, "slot": claim.slot, "attempt": claim.attempt})
+        logger = _JobLog(
+            logging.getLogger(f"anarchon_lite.job.{claim.job}"),
+            {"job": claim.job, "slot": claim.slot, "attempt": claim.attempt},
+        )
         return RunContext(
             job=claim.job,
             slot=claim.slot,
@@ -2204,10 +2269,20 @@ class Scheduler:
             then, not_before = "retry", now_ms + _ms(options.retry_delay * 2**claim.failures)
         for tries in range(60):
             try:
-                await self._call_store(lambda s: s.finish(claim, self.instance, outcome.status or "", outcome.error, now_ms, then, not_before))
+                await self._call_store(
+                    lambda s: s.finish(
+                        claim, self.instance, outcome.status or "", outcome.error, now_ms, then, not_before
+                    )
+                )
                 break
             except StoreError as exc:
-                _log.error("%s slot %s: cannot record the end of attempt %s, retrying: %s", claim.job, claim.slot, claim.attempt, exc)
+                _log.error(
+                    "%s slot %s: cannot record the end of attempt %s, retrying: %s",
+                    claim.job,
+                    claim.slot,
+                    claim.attempt,
+                    exc,
+                )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
         self._poke()
 
@@ -2229,8 +2304,8 @@ class Scheduler:
 @dataclasses.dataclass
 class _LoopState:
     version: int = -1
-    jobs: Optional[List[_JobRow]] = None
-    runs: Optional[List[_RunRow]] = None
+    jobs: list[_JobRow] | None = None
+    runs: list[_RunRow] | None = None
     newest: int = 0
     wait: float = 0.0
     delay: float = 0.0
@@ -2254,13 +2329,26 @@ class _StoreThread:
         self._executor.shutdown(wait=False)
 
 
+def _is_async(function: Handler) -> bool:
+    """Whether calling ``function`` returns a coroutine (async functions, partials of them, and
+    objects whose ``__call__`` is async)."""
+    if inspect.iscoroutinefunction(function):
+        return True
+    call = None if inspect.isroutine(function) else type(function).__call__
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
 def _start_thread(
-    handler: Handler, ctx: RunContext, context: contextvars.Context, future: asyncio.Future[Any], loop: asyncio.AbstractEventLoop
+    handler: Handler,
+    ctx: RunContext,
+    context: contextvars.Context,
+    future: asyncio.Future[Any],
+    loop: asyncio.AbstractEventLoop,
 ) -> None:
     def body() -> None:
         try:
             result = context.run(handler, ctx)
-        except BaseException as exc:  # handed to the awaiting task, which judges it
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which judges it
             loop.call_soon_threadsafe(_set_exception, future, exc)
         else:
             loop.call_soon_threadsafe(_set_result, future, result)
@@ -2313,9 +2401,9 @@ def _run_info(row: _RunRow, now: float) -> RunInfo:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     slot: int
-    next_slot: Optional[int]
+    next_slot: int | None
     run: bool
-    missed: List[Tuple[int, Optional[str]]]
+    missed: list[tuple[int, str | None]]
 
 
 def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
@@ -2328,9 +2416,9 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
     """
     schedule = job.schedule
     limit = now_ms - _ms(_ON_TIME)
-    late: List[int] = []
+    late: list[int] = []
     count = 0
-    newest: Optional[int] = None
+    newest: int | None = None
     jumped = False
     cursor = schedule.next_after(last_slot)
     while cursor is not None and cursor <= limit:
@@ -2359,10 +2447,10 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
     return _Plan(newest, schedule.next_after(newest), run, _missed_records(late, count))
 
 
-def _missed_records(slots: List[int], count: int) -> List[Tuple[int, Optional[str]]]:
+def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]]:
     """Records for ``count`` missed occurrences, of which ``slots`` are the first ones."""
     kept = slots[:_MISSED_RECORDS]
-    records: List[Tuple[int, Optional[str]]] = [(s, None) for s in kept]
+    records: list[tuple[int, str | None]] = [(s, None) for s in kept]
     if count > len(kept) and records:
         records[-1] = (kept[-1], f"missed; {count - len(kept)} more occurrences were missed and not recorded")
     return records

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from anarchon_lite import Scheduler  # noqa: E402
+from anarchon_lite import Scheduler
 
 CUSTOMERS = 1200
 BATCH = 200
@@ -28,7 +28,9 @@ BATCH = 200
 def customers_after(data: str, after: int, limit: int) -> list[tuple[int, str]]:
     """The application's own data: customers with an id above ``after``."""
     with sqlite3.connect(data) as conn:
-        return conn.execute("SELECT id, name FROM customers WHERE id > ? ORDER BY id LIMIT ?", (after, limit)).fetchall()
+        return conn.execute(
+            "SELECT id, name FROM customers WHERE id > ? ORDER BY id LIMIT ?", (after, limit)
+        ).fetchall()
 
 
 def export_batch(data: str, batch: list[tuple[int, str]], slot: int) -> None:

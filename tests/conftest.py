@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Awaitable, Callable, Optional, Union
+from collections.abc import Awaitable
+from typing import Callable
 
 import pytest
 
@@ -41,7 +42,7 @@ class ManualClock(anarchon_lite.Clock):
 
 
 async def wait_for(
-    condition: Callable[[], Union[bool, Awaitable[bool]]], timeout: float = 10.0, message: str = "condition"
+    condition: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, message: str = "condition"
 ) -> None:
     """Poll ``condition`` (sync or async) until true; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -66,6 +67,6 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-def run(coro: Awaitable[object], timeout: Optional[float] = 60.0) -> object:
+def run(coro: Awaitable[object], timeout: float | None = 60.0) -> object:
     """Run a coroutine on a fresh event loop, bounded in time."""
     return asyncio.run(asyncio.wait_for(coro, timeout))

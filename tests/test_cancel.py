@@ -5,12 +5,11 @@ import threading
 import time
 
 import pytest
+from conftest import run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anarchon_lite import Aborted, CancelToken, Cancelled, LeaseLost, RunTimeout, Shutdown
-
-from conftest import run
+from anarchon_lite import Aborted, Cancelled, CancelToken, LeaseLost, RunTimeout, Shutdown
 
 
 def test_reason_hierarchy():

@@ -1,6 +1,5 @@
 """Real processes on one file: exactly once, kill -9 takeover, SIGTERM hand-over, SIGSTOP fencing."""
 
-import asyncio
 import json
 import os
 import signal
@@ -9,10 +8,9 @@ import sys
 import time
 
 import pytest
+from conftest import run
 
 from anarchon_lite import Scheduler
-
-from conftest import run
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 

@@ -2,11 +2,11 @@
 
 import asyncio
 import logging
-import os
 import threading
 import time
 
 import pytest
+from conftest import run, wait_for
 
 from anarchon_lite import (
     Cancelled,
@@ -14,10 +14,7 @@ from anarchon_lite import (
     LeaseLost,
     RunTimeout,
     Scheduler,
-    Shutdown,
 )
-
-from conftest import ManualClock, run, wait_for
 
 HOUR = 3600.0
 
@@ -63,7 +60,7 @@ def test_every_runs_each_slot_once_across_two_schedulers(db, clock):
         async with a, b:
             for n in range(1, 4):
                 next_slot(clock, HOUR)
-                await wait_for(lambda: len(seen) >= n, message=f"run {n}")
+                await wait_for(lambda n=n: len(seen) >= n, message=f"run {n}")
             await asyncio.sleep(0.2)
         assert len(seen) == 3 and len({slot for slot, _, _ in seen}) == 3
         assert all(slot % 3_600_000 == 0 and attempt == 1 for slot, _, attempt in seen)
@@ -404,7 +401,13 @@ def test_graceful_stop_hands_over_with_checkpoint(db):
         async with a:
             await a.trigger("export")
             await wait_for(lambda: any(e[2] == "start" for e in log))
-            await wait_for(lambda: a.checkpoints.get("export", log[0][3] if False else next(iter(a._attempts))[1]) if a._attempts else False)
+            await wait_for(
+                lambda: (
+                    a.checkpoints.get("export", log[0][3] if False else next(iter(a._attempts))[1])
+                    if a._attempts
+                    else False
+                )
+            )
             await asyncio.sleep(0.3)
             slot = next(iter(a._attempts))[1]
             assert await a.checkpoints.get("export", slot) == 4
@@ -578,7 +581,7 @@ def test_shutdown_is_not_swallowed_by_except_exception(db):
             for _ in range(1000):
                 try:
                     await ctx.signal.sleep(0.05)
-                except Exception as exc:  # a loop that logs and carries on
+                except Exception as exc:  # noqa: BLE001 - a loop that logs and carries on
                     seen.append(exc)
             seen.append("finished")
 

@@ -88,7 +88,19 @@ def test_cron_agrees_with_oracle_on_thousands_of_expressions(seed):
 
 
 @pytest.mark.parametrize("tz", ORACLE_ZONES[1:])
-@pytest.mark.parametrize("expr", ["*/15 * * * *", "30 * * * *", "0 */3 * * *", "30 2 * * *", "0 1-5 * * *", "45 3 * * *", "* * * * *", "0,30 2,3 * * *"])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "*/15 * * * *",
+        "30 * * * *",
+        "0 */3 * * *",
+        "30 2 * * *",
+        "0 1-5 * * *",
+        "45 3 * * *",
+        "* * * * *",
+        "0,30 2,3 * * *",
+    ],
+)
 def test_dst_transitions_agree_with_oracle(tz, expr):
     zone = zoneinfo.ZoneInfo(tz)
     for year in (2025, 2026):
@@ -122,15 +134,21 @@ def test_spring_forward_wall_clock_fires_once_after_the_gap():
 
 def test_spring_forward_elapsed_skips_the_gap():
     got = upcoming_cron("*/30 * * * *", "America/New_York", local("America/New_York", 2026, 3, 8, 1, 15), 3)
-    assert got == [local("America/New_York", 2026, 3, 8, 1, 30), local("America/New_York", 2026, 3, 8, 3, 0),
-                   local("America/New_York", 2026, 3, 8, 3, 30)]
+    assert got == [
+        local("America/New_York", 2026, 3, 8, 1, 30),
+        local("America/New_York", 2026, 3, 8, 3, 0),
+        local("America/New_York", 2026, 3, 8, 3, 30),
+    ]
 
 
 def test_fall_back_elapsed_fires_twice_and_wall_once():
     start = local("America/New_York", 2026, 11, 1, 0, 50)
     elapsed = upcoming_cron("30 * * * *", "America/New_York", start, 3)
-    assert elapsed == [local("America/New_York", 2026, 11, 1, 1, 30), local("America/New_York", 2026, 11, 1, 1, 30, fold=1),
-                       local("America/New_York", 2026, 11, 1, 2, 30)]
+    assert elapsed == [
+        local("America/New_York", 2026, 11, 1, 1, 30),
+        local("America/New_York", 2026, 11, 1, 1, 30, fold=1),
+        local("America/New_York", 2026, 11, 1, 2, 30),
+    ]
     wall = upcoming_cron("30 1 * * *", "America/New_York", start, 2)
     assert wall == [local("America/New_York", 2026, 11, 1, 1, 30), local("America/New_York", 2026, 11, 2, 1, 30)]
 
@@ -140,7 +158,13 @@ def test_lord_howe_half_hour_shift():
     start = local("Australia/Lord_Howe", 2026, 4, 5, 1, 0)
     elapsed = upcoming_cron("*/15 * * * *", "Australia/Lord_Howe", start, 6)
     assert [m.astimezone(zoneinfo.ZoneInfo("Australia/Lord_Howe")).strftime("%H:%M") for m in elapsed] == [
-        "01:15", "01:30", "01:45", "01:30", "01:45", "02:00"]
+        "01:15",
+        "01:30",
+        "01:45",
+        "01:30",
+        "01:45",
+        "02:00",
+    ]
     assert all(b - a == dt.timedelta(minutes=15) for a, b in zip(elapsed, elapsed[1:]))
     wall = upcoming_cron("45 1 * * *", "Australia/Lord_Howe", start, 1)
     assert wall == [local("Australia/Lord_Howe", 2026, 4, 5, 1, 45)]
@@ -155,8 +179,16 @@ def test_day_of_month_or_day_of_week():
     assert [d.date() for d in got] == [dt.date(2026, 6, 7), dt.date(2026, 7, 5), dt.date(2026, 8, 2)]
 
 
-@pytest.mark.parametrize("nick, plain", [("@hourly", "0 * * * *"), ("@daily", "0 0 * * *"), ("@weekly", "0 0 * * 0"),
-                                         ("@monthly", "0 0 1 * *"), ("@yearly", "0 0 1 1 *")])
+@pytest.mark.parametrize(
+    "nick, plain",
+    [
+        ("@hourly", "0 * * * *"),
+        ("@daily", "0 0 * * *"),
+        ("@weekly", "0 0 * * 0"),
+        ("@monthly", "0 0 1 * *"),
+        ("@yearly", "0 0 1 1 *"),
+    ],
+)
 def test_nicknames(nick, plain):
     after = dt.datetime(2026, 2, 3, 4, 5, tzinfo=UTC)
     assert upcoming_cron(nick, "UTC", after, 3) == upcoming_cron(plain, "UTC", after, 3)
@@ -164,14 +196,28 @@ def test_nicknames(nick, plain):
 
 def test_names_and_sunday_as_seven():
     after = dt.datetime(2026, 1, 1, tzinfo=UTC)
-    assert upcoming_cron("0 12 * JAN,MAR mon-fri", "UTC", after, 40) == upcoming_cron("0 12 * 1,3 1-5", "UTC", after, 40)
+    assert upcoming_cron("0 12 * JAN,MAR mon-fri", "UTC", after, 40) == upcoming_cron(
+        "0 12 * 1,3 1-5", "UTC", after, 40
+    )
     assert upcoming_cron("0 0 * * 7", "UTC", after, 5) == upcoming_cron("0 0 * * 0", "UTC", after, 5)
 
 
-@pytest.mark.parametrize("expr, needle", [("61 * * * *", "minute"), ("* 24 * * *", "hour"), ("* * 0 * *", "day of month"),
-                                          ("* * * 13 *", "month"), ("* * * * 8", "day of week"), ("* * * *", "5 fields"),
-                                          ("*/0 * * * *", "step"), ("5-1 * * * *", "backwards"), ("0 0 30 2 *", "never"),
-                                          ("x * * * *", "minute"), ("@sometimes", "5 fields")])
+@pytest.mark.parametrize(
+    "expr, needle",
+    [
+        ("61 * * * *", "minute"),
+        ("* 24 * * *", "hour"),
+        ("* * 0 * *", "day of month"),
+        ("* * * 13 *", "month"),
+        ("* * * * 8", "day of week"),
+        ("* * * *", "5 fields"),
+        ("*/0 * * * *", "step"),
+        ("5-1 * * * *", "backwards"),
+        ("0 0 30 2 *", "never"),
+        ("x * * * *", "minute"),
+        ("@sometimes", "5 fields"),
+    ],
+)
 def test_bad_cron_names_job_and_field(expr, needle):
     s = Scheduler(":memory:")
     with pytest.raises(ConfigError) as info:
@@ -187,9 +233,14 @@ def upcoming_rrule(rule, tz, after, count):
 
 @pytest.mark.parametrize(
     "rule",
-    ["FREQ=MONTHLY;BYDAY=-1FR;BYHOUR=17;BYMINUTE=0", "FREQ=WEEKLY;INTERVAL=2;BYDAY=MO,TH;BYHOUR=9",
-     "FREQ=DAILY;INTERVAL=3;BYHOUR=6,18", "FREQ=YEARLY;BYMONTH=2;BYMONTHDAY=29", "FREQ=MONTHLY;BYMONTHDAY=31",
-     "FREQ=HOURLY;INTERVAL=5;BYMINUTE=10"],
+    [
+        "FREQ=MONTHLY;BYDAY=-1FR;BYHOUR=17;BYMINUTE=0",
+        "FREQ=WEEKLY;INTERVAL=2;BYDAY=MO,TH;BYHOUR=9",
+        "FREQ=DAILY;INTERVAL=3;BYHOUR=6,18",
+        "FREQ=YEARLY;BYMONTH=2;BYMONTHDAY=29",
+        "FREQ=MONTHLY;BYMONTHDAY=31",
+        "FREQ=HOURLY;INTERVAL=5;BYMINUTE=10",
+    ],
 )
 def test_rrule_agrees_with_plain_dateutil_from_2000(rule):
     after = dt.datetime(2026, 5, 17, 13, 14, 15, tzinfo=UTC)
@@ -222,13 +273,17 @@ def test_rrule_dtstart_and_zone():
     rule = "DTSTART;TZID=Europe/Athens:20260301T090000\nRRULE:FREQ=DAILY;COUNT=3"
     got = upcoming_rrule(rule, None, dt.datetime(2026, 1, 1, tzinfo=UTC), 5)
     assert got == [local("Europe/Athens", 2026, 3, d, 9) for d in (1, 2, 3)]
-    got = upcoming_rrule(du.rrule(du.WEEKLY, dtstart=dt.datetime(2026, 1, 5, 8)), "UTC", dt.datetime(2026, 1, 6, tzinfo=UTC), 2)
+    got = upcoming_rrule(
+        du.rrule(du.WEEKLY, dtstart=dt.datetime(2026, 1, 5, 8)), "UTC", dt.datetime(2026, 1, 6, tzinfo=UTC), 2
+    )
     assert got == [dt.datetime(2026, 1, 12, 8, tzinfo=UTC), dt.datetime(2026, 1, 19, 8, tzinfo=UTC)]
 
 
 def test_rrule_daylight_saving_rules():
     # daily follows the wall clock: 02:30 inside New York's spring gap fires at 03:00
-    got = upcoming_rrule("FREQ=DAILY;BYHOUR=2;BYMINUTE=30", "America/New_York", local("America/New_York", 2026, 3, 7, 12), 2)
+    got = upcoming_rrule(
+        "FREQ=DAILY;BYHOUR=2;BYMINUTE=30", "America/New_York", local("America/New_York", 2026, 3, 7, 12), 2
+    )
     assert got == [local("America/New_York", 2026, 3, 8, 3, 0), local("America/New_York", 2026, 3, 9, 2, 30)]
     # hourly follows elapsed time: 01:00 happens twice on the fall-back night
     got = upcoming_rrule("FREQ=HOURLY", "America/New_York", local("America/New_York", 2026, 11, 1, 0, 30), 3)
@@ -261,7 +316,11 @@ def test_every_is_epoch_aligned(interval_ms, offset_ms, after_ms):
     assert ms[1] - ms[0] == interval_ms and ms[0] - after_ms <= interval_ms
 
 
-@given(st.integers(0, 3 * 10**9), st.sampled_from(ZONES), st.sampled_from(["*/7 * * * *", "0 3 * * *", "30 1-4 * * *", "15 */2 * * 1-5"]))
+@given(
+    st.integers(0, 3 * 10**9),
+    st.sampled_from(ZONES),
+    st.sampled_from(["*/7 * * * *", "0 3 * * *", "30 1-4 * * *", "15 */2 * * 1-5"]),
+)
 @settings(max_examples=200, deadline=None)
 def test_cron_strictly_increasing(after_s, tz, expr):
     got = upcoming_cron(expr, tz, dt.datetime.fromtimestamp(1_600_000_000 + after_s / 10, UTC), 8)

@@ -5,13 +5,13 @@ import sqlite3
 import stat
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from conftest import run
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler, StoreError
-
-from conftest import run
 
 OWNER = al._Owner("a", os.getpid(), None, None, None)
 OTHER = al._Owner("b", os.getpid(), None, None, None)
@@ -40,11 +40,11 @@ def test_schema_wal_and_mode(db):
 def test_not_a_database(db):
     with open(db, "wb") as handle:
         handle.write(b"this is my shopping list, not a database" * 100)
-    before = open(db, "rb").read()
+    before = Path(db).read_bytes()
     with pytest.raises(StoreError) as info:
         run(Scheduler(db).history())
     assert info.value.path == db and db in str(info.value) and "not an SQLite database" in str(info.value)
-    assert open(db, "rb").read() == before
+    assert Path(db).read_bytes() == before
 
 
 def test_newer_schema_is_refused_untouched(db):
@@ -182,6 +182,8 @@ def test_missed_records_and_watermark_are_one_transaction(db):
     assert s.claim_due("job", 0, 3000, 4000, [(1000, None), (2000, "and 5 more")], False, True, OWNER, 0, 5000) is False
     assert s.job("job").last_slot == 3000
     assert [(r.slot, r.status, r.error) for r in reversed(s.history("job", 10))] == [
-        (1000, "missed", None), (2000, "missed", "and 5 more")]
+        (1000, "missed", None),
+        (2000, "missed", "and 5 more"),
+    ]
     # a stale watermark writes nothing
     assert s.claim_due("job", 0, 3000, 4000, [(1000, None)], True, True, OWNER, 0, 5000) is None

@@ -13,7 +13,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from anarchon_lite import Aborted, LeaseLost, Scheduler  # noqa: E402
+from anarchon_lite import Aborted, LeaseLost, Scheduler
 
 DB, EVENTS, MODE = sys.argv[1:4]
 LEASE = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
