@@ -1469,7 +1469,7 @@ class _Heartbeats(threading.Thread):
             held = self._store.renew(
                 attempt.claim, attempt.owner, self._clock.monotonic() + attempt.lease, attempt.progress
             )
-        except StoreError as exc:
+        except Exception as exc:  # noqa: BLE001 - the heartbeat thread must outlive any failure
             _log.warning("%s slot %s: lease renewal failed, retrying: %s", attempt.claim.job, attempt.claim.slot, exc)
             return self._clock.monotonic() + min(attempt.renew_every, 0.2)
         self.lateness.add(self._clock.monotonic() - planned)
@@ -2032,6 +2032,7 @@ class Scheduler:
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
+        await self._call_store(lambda s: s.data_version())  # a file we cannot use fails here, at once
         self._stopping = False
         self._wake = asyncio.Event()
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
@@ -2046,8 +2047,8 @@ class Scheduler:
             while not self._stopping:
                 try:
                     await self._tick(loop_state)
-                except StoreError as exc:
-                    _log.error("%s", exc)
+                except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
+                    _log.error("%s", exc, exc_info=not isinstance(exc, StoreError))
                     loop_state.delay = min(max(loop_state.delay * 2, self._poll), 5.0)
                 else:
                     loop_state.delay = 0.0

@@ -161,11 +161,20 @@ def test_sigstop_past_the_lease_is_taken_over_and_fenced(procs):
     assert sorted((r.attempt, r.status) for r in history(procs.db, "export")) == [(1, "interrupted"), (2, "succeeded")]
 
 
-def test_blocking_async_handler_keeps_its_lease(procs):
-    start_all(procs, "block", 2, lease=1.0)
-    trigger(procs.db, "block")
+@pytest.mark.parametrize("mode", ["block", "spin"])
+def test_cpu_bound_handler_keeps_its_lease(procs, mode):
+    """``block``: an async handler that never yields the event loop; ``spin``: a thread computing.
+    A second process stands ready to take the run over if a lease of 1 s were ever lost."""
+    start_all(procs, mode, 2, lease=1.0)
+    trigger(procs.db, mode)
     owner_of(procs)
     procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
-    time.sleep(0.5)
     assert [e for e in procs.read() if e["event"] == "start" and e["attempt"] > 1] == []
-    assert [(r.attempt, r.status) for r in history(procs.db, "block")] == [(1, "succeeded")]
+
+    def finished():
+        return [(r.attempt, r.status) for r in history(procs.db, mode)] == [(1, "succeeded")]
+
+    deadline = time.monotonic() + 10
+    while not finished() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [(r.attempt, r.status) for r in history(procs.db, mode)] == [(1, "succeeded")]

@@ -14,6 +14,7 @@ from anarchon_lite import (
     LeaseLost,
     RunTimeout,
     Scheduler,
+    StoreError,
 )
 
 HOUR = 3600.0
@@ -648,3 +649,83 @@ def test_blocked_loop_warning_names_the_job(db, caplog):
         run(main())
     warnings = [r.message for r in caplog.records if "blocked" in r.message]
     assert warnings and "job hog" in warnings[0] and "test_scheduler.py" in warnings[0]
+
+
+def test_transient_store_failures_do_not_stop_the_scheduler(db, monkeypatch, caplog):
+    import anarchon_lite as al
+
+    failures = {"finish": 2, "renew": 2, "claim_due": 1}
+    originals = {name: getattr(al._Store, name) for name in failures}
+
+    def flaky(name):
+        def method(self, *args, **kwargs):
+            if failures[name] > 0:
+                failures[name] -= 1
+                raise StoreError(self.path, "disk I/O error (injected)")
+            return originals[name](self, *args, **kwargs)
+
+        return method
+
+    for name in failures:
+        monkeypatch.setattr(al._Store, name, flaky(name))
+
+    async def main():
+        s = make(db)
+
+        @s.every("steady", "1h", lease="300ms", overlap="allow")
+        async def steady(ctx):
+            await asyncio.sleep(0.5)  # several renewals, the first two of which fail
+
+        @s.every("often", "200ms")
+        async def often(ctx):
+            return None
+
+        async with s:
+            await s.trigger("steady")
+            await wait_for(lambda: has(s, "steady", "succeeded"))
+            await wait_for(lambda: has(s, "often", "succeeded"))
+        assert failures == {"finish": 0, "renew": 0, "claim_due": 0}
+        assert [(at, st) for _, at, st in await statuses(s, "steady")] == [(1, "succeeded")]
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    assert any("injected" in r.getMessage() for r in caplog.records)
+
+
+def test_progress_travels_with_the_heartbeat(db):
+    async def main():
+        s = make(db)
+        gate = asyncio.Event()
+
+        @s.every("long", "1h", lease="300ms")
+        async def long(ctx):
+            ctx.progress(3, 10)
+            await gate.wait()
+
+        async with s:
+            await s.trigger("long")
+
+            async def shown():
+                runs = [r for j in await s.status() for r in j.runs]
+                return runs and runs[0].progress == (3.0, 10.0)
+
+            await wait_for(shown)
+            gate.set()
+            await wait_for(lambda: has(s, "long", "succeeded"))
+
+    run(main())
+
+
+def test_a_file_that_cannot_be_used_fails_run_at_once(tmp_path):
+    path = tmp_path / "junk.db"
+    path.write_bytes(b"not a database at all" * 200)
+
+    async def main():
+        s = Scheduler(str(path))
+        s.every("j", "1h", lambda ctx: None)
+        with pytest.raises(StoreError) as info:
+            async with s:
+                pass
+        assert info.value.path == str(path)
+
+    run(main())

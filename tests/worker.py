@@ -2,7 +2,8 @@
 
 Every event is one JSON line appended to EVENTS, so the test can follow what each process did.
 Modes: ``every`` (a 500 ms job), ``export`` (the checkpointed recipe, triggered by the test),
-``block`` (an async handler that blocks the event loop for three and a half leases).
+``block`` (an async handler that blocks the event loop for three and a half leases), ``spin``
+(the same in a plain-function handler's thread).
 """
 
 import asyncio
@@ -62,6 +63,16 @@ async def block(ctx):
     emit("done", slot=ctx.slot, attempt=ctx.attempt)
 
 
+def spin(ctx):
+    """A plain-function handler computing in its worker thread for three and a half leases."""
+    emit("start", slot=ctx.slot, attempt=ctx.attempt)
+    end = time.monotonic() + 3.5 * LEASE
+    n = 0
+    while time.monotonic() < end:
+        n += sum(range(1000))
+    emit("done", slot=ctx.slot, attempt=ctx.attempt)
+
+
 async def main():
     scheduler = Scheduler(DB, instance=ME, poll=0.1)
     if MODE == "every":
@@ -70,6 +81,8 @@ async def main():
         scheduler.every("export", "24h", export, lease=LEASE)
     elif MODE == "block":
         scheduler.every("block", "24h", block, lease=LEASE)
+    elif MODE == "spin":
+        scheduler.every("spin", "24h", spin, lease=LEASE)
     runner = asyncio.ensure_future(scheduler.run())
     await asyncio.sleep(0)
     while scheduler._ready is None or not scheduler._ready.is_set():
