@@ -1554,11 +1554,68 @@ class _Watchdog:
             self._schedule()
 
 
+class _FileWatch:
+    """Wakes the event loop when any process writes the database (Linux inotify, via ctypes).
+
+    Every commit appends to the ``-wal`` file, so an idle process sleeps until something changes
+    instead of polling. ``start`` returns None where inotify is not available; the scheduler then
+    polls the file every ``poll`` seconds.
+    """
+
+    _IN_MODIFY, _IN_MOVED_TO, _IN_CREATE = 0x2, 0x80, 0x100
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, prefix: bytes, on_change: Callable[[], None]):
+        self._fd, self._loop, self._prefix, self._on_change = fd, loop, prefix, on_change
+
+    @classmethod
+    def start(cls, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> _FileWatch | None:
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd < 0:
+                return None
+            directory = os.path.dirname(os.path.abspath(path)).encode()
+            mask = cls._IN_MODIFY | cls._IN_MOVED_TO | cls._IN_CREATE
+            if libc.inotify_add_watch(fd, directory, mask) < 0:
+                os.close(fd)
+                return None
+        except (OSError, AttributeError):
+            return None
+        watch = cls(fd, loop, os.path.basename(path).encode(), on_change)
+        loop.add_reader(fd, watch._read)
+        return watch
+
+    def _read(self) -> None:
+        changed = False
+        while True:
+            try:
+                data = os.read(self._fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            offset = 0
+            while offset + 16 <= len(data):
+                length = int.from_bytes(data[offset + 12 : offset + 16], sys.byteorder)
+                name = data[offset + 16 : offset + 16 + length].rstrip(b"\0")
+                changed = changed or name.startswith(self._prefix)
+                offset += 16 + length
+        if changed:
+            self._on_change()
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        os.close(self._fd)
+
+
 ###############################################################################
 # The scheduler ###############################################################
 ###############################################################################
 
 _OVERLAP = ("skip", "allow")
+_CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
 _ON_TIME = 5.0  # seconds: an occurrence found later than this after its time was missed (downtime)
 _MISSED_RECORDS = 100
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
@@ -1777,8 +1834,8 @@ class Scheduler:
 
     ``path`` is the database file (created on first use, mode 0600); ``instance`` a readable id
     for this process (default: host, pid and a random suffix). Other keyword arguments are for
-    tests and tuning: ``clock`` (a ``Clock``), ``poll`` (seconds between looks at the file, at most
-    1), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
+    tests and tuning: ``clock`` (a ``Clock``), ``poll`` (look at the file this often, at most every
+    1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
     per job), ``blocked_warning`` (seconds of a blocked event loop before a warning).
     """
 
@@ -1788,7 +1845,7 @@ class Scheduler:
         *,
         instance: str | None = None,
         clock: Clock | None = None,
-        poll: float = 0.5,
+        poll: float | None = None,
         busy_timeout: float = 30.0,
         retention: int = 1000,
         blocked_warning: float = 1.0,
@@ -1796,7 +1853,8 @@ class Scheduler:
         self.path = os.fspath(path)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
         self._clock = clock or Clock()
-        self._poll = min(poll, 1.0)
+        self._poll = 0.5 if poll is None else min(poll, 1.0)
+        self._polling = poll is not None
         self._busy_timeout = busy_timeout
         self._retention = retention
         self._blocked_warning = blocked_warning
@@ -1811,13 +1869,16 @@ class Scheduler:
         self._main: asyncio.Task[None] | None = None
         self._stopping = False
         self._stop_grace = 10.0
-        self._wake: asyncio.Event | None = None
+        self._wake: asyncio.Future[None] | None = None
+        self._poked = False
+        self._written = False  # the file watch saw a write we may not see committed yet
         self._heartbeats: _Heartbeats | None = None
         self._timers: _Timers | None = None
         self._watchdog: _Watchdog | None = None
         self._clock_warned = False
         self._dirty = True
         self._ready: asyncio.Event | None = None
+        self._idle = self._poll
         self.checkpoints = CheckpointStore(self)
 
     # -- declaring jobs ---------------------------------------------------------------------------
@@ -2025,16 +2086,20 @@ class Scheduler:
             await asyncio.wait({main})
 
     def _poke(self) -> None:
-        """Our own writes do not change our connection's data_version: look again at once."""
+        """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
         self._dirty = True
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        self._poked = self._written = True
         if self._wake is not None:
-            self._wake.set()
+            _resolve(self._wake)
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         await self._call_store(lambda s: s.data_version())  # a file we cannot use fails here, at once
         self._stopping = False
-        self._wake = asyncio.Event()
+        self._poked = False
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = _Heartbeats(
             self.path, self._clock, self._busy_timeout, f"anarchon-heartbeat-{self.instance}"
@@ -2042,9 +2107,12 @@ class Scheduler:
         self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
         self._timers.start()
         self._heartbeats.start()
-        loop_state = _LoopState()
+        loop_state = _LoopState(_Store(self.path, busy_timeout=0.05))
+        watch = None if self._polling else _FileWatch.start(self.path, loop, self._wake_up)
+        self._idle = _CLOCK_CHECK if watch is not None else self._poll
         try:
             while not self._stopping:
+                self._poked = False  # a wake from now on means: look again after this tick
                 try:
                     await self._tick(loop_state)
                 except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
@@ -2057,6 +2125,9 @@ class Scheduler:
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
             await self._drain()
         finally:
+            if watch is not None:
+                watch.close()
+            loop_state.watch.close()
             self._timers.stop()
             self._heartbeats.stop()
             if self._store_thread is not None:
@@ -2065,13 +2136,16 @@ class Scheduler:
             self._registered = False
 
     async def _sleep(self, seconds: float) -> None:
-        assert self._wake is not None
-        if seconds > 0 and not self._wake.is_set():
+        """Wait ``seconds`` on the loop's monotonic clock, or until ``_poke()``."""
+        loop = asyncio.get_running_loop()
+        if seconds > 0 and not self._poked:
+            self._wake = loop.create_future()
+            handle = loop.call_later(seconds, _resolve, self._wake)
             try:
-                await asyncio.wait_for(self._wake.wait(), seconds)
-            except asyncio.TimeoutError:
-                pass
-        self._wake.clear()
+                await self._wake
+            finally:
+                handle.cancel()
+                self._wake = None
 
     async def _drain(self) -> None:
         """After a stop: wait up to the stop grace for the attempts, which hand their runs over."""
@@ -2087,7 +2161,19 @@ class Scheduler:
     async def _tick(self, state: _LoopState) -> None:
         now = self._clock.time()
         now_ms = _ms(now)
-        version = await self._call_store(lambda s: s.data_version())
+        try:  # a few microseconds on this thread; the store thread only when something changed
+            version = state.watch.data_version()
+        except StoreError:
+            version = -2
+        # inotify reports a WAL write a moment before its commit is visible: after a write with no
+        # visible change, look again after 5, 25, 125 and 625 ms.
+        written, self._written = self._written, False
+        if version != state.version:
+            state.recheck = 0.0
+        elif written:
+            state.recheck = 0.005
+        elif state.recheck:
+            state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
         if version != state.version or state.runs is None or self._dirty:
             self._dirty = False
             state.jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
@@ -2103,10 +2189,10 @@ class Scheduler:
                     _utc_from_ms(state.newest).isoformat(),
                 )
                 self._clock_warned = True
-            state.wait = self._poll
+            state.wait = self._idle
             return
         self._clock_warned = False
-        wait = self._poll
+        wait = min(self._idle, state.recheck or self._idle)
         for row in state.jobs or []:
             job = self._jobs.get(row.name)
             if job is None or row.paused:
@@ -2119,8 +2205,11 @@ class Scheduler:
             elif due is not None:
                 wait = min(wait, (due - now_ms) / 1000)
         for run in state.runs or []:
-            if await self._consider(run, now_ms):
-                state.version = -1
+            again = await self._consider(run, now_ms)
+            if again is not None:
+                wait = min(wait, again)
+                if again == 0.0:
+                    state.version = -1
         state.wait = wait
 
     async def _fire(self, job: _Job, row: _JobRow, now_ms: int) -> None:
@@ -2144,8 +2233,11 @@ class Scheduler:
         if isinstance(claim, _Claim):
             self._start(job, claim)
 
-    async def _consider(self, run: _RunRow, now_ms: int) -> bool:
-        """Claim a pending run, take over one whose owner is gone, or notice changes to our own."""
+    async def _consider(self, run: _RunRow, now_ms: int) -> float | None:
+        """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
+
+        Returns how many seconds from now the run needs another look (0 after a claim), or None.
+        """
         mine = self._attempts.get((run.job, run.slot))
         if mine is not None:
             # The snapshot may predate our own claim; only a newer attempt means a takeover.
@@ -2153,19 +2245,19 @@ class Scheduler:
                 mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
             elif run.cancel and run.attempt == mine.claim.attempt:
                 mine.token.abort(Cancelled(f"{run.job}: cancelled"))
-            return False
+            return None
         job = self._jobs.get(run.job)
         if job is None or self._stopping:
-            return False
+            return None
         reason = ""
         if run.state == "pending":
             if run.not_before > now_ms:
-                return False
+                return (run.not_before - now_ms) / 1000
         else:
             gone = _owner_gone(run, self._owner)
-            expired = run.lease_until is not None and run.lease_until < self._clock.monotonic()
-            if gone is None and not expired:
-                return False
+            left = (run.lease_until or 0.0) - self._clock.monotonic()
+            if gone is None and left >= 0:
+                return min(self._poll, left + 0.001)  # watch the owner's pid, and its lease
             reason = gone or "lease expired"
         lease_until = self._clock.monotonic() + job.options.lease
         claim = await self._call_store(
@@ -2175,7 +2267,7 @@ class Scheduler:
         )
         if claim is not None:
             self._start(job, claim)
-        return True
+        return 0.0
 
     # -- one attempt ------------------------------------------------------------------------------
 
@@ -2304,12 +2396,14 @@ class Scheduler:
 
 @dataclasses.dataclass
 class _LoopState:
+    watch: _Store  # used on the event loop's thread for ``data_version`` only
     version: int = -1
     jobs: list[_JobRow] | None = None
     runs: list[_RunRow] | None = None
     newest: int = 0
     wait: float = 0.0
     delay: float = 0.0
+    recheck: float = 0.0  # after a write seen by the file watch: look again this soon
 
 
 class _StoreThread:

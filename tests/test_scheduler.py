@@ -729,3 +729,22 @@ def test_a_file_that_cannot_be_used_fails_run_at_once(tmp_path):
         assert info.value.path == str(path)
 
     run(main())
+
+
+def test_an_idle_scheduler_is_woken_by_other_processes_writes(db):
+    """Without ``poll``, changes to the file wake the scheduler (inotify) instead of polling."""
+
+    async def main():
+        worker = Scheduler(db)  # default: woken by writes to the file
+        ran = []
+        worker.every("woken", "24h", lambda ctx: ran.append(time.monotonic()))
+        controller = Scheduler(db)
+        async with worker:
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            await controller.trigger("woken")
+            await wait_for(lambda: ran)
+        # a polling scheduler would have needed up to its poll interval; the watch is immediate
+        assert ran[0] - started < 1.0
+
+    run(main())

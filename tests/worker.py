@@ -74,7 +74,7 @@ def spin(ctx):
 
 
 async def main():
-    scheduler = Scheduler(DB, instance=ME, poll=0.1)
+    scheduler = Scheduler(DB, instance=ME)
     if MODE == "every":
         scheduler.every("tick", "500ms", tick)
     elif MODE == "export":
