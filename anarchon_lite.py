@@ -26,13 +26,16 @@ another process takes the run over as the next attempt, and a checkpoint store l
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import bisect
 import contextvars
 import dataclasses
 import datetime as _dt
 import functools
+import hashlib
 import heapq
+import importlib
 import inspect
 import json
 import logging
@@ -68,7 +71,9 @@ __all__ = [
     "Cancelled",
     "CheckpointStore",
     "Clock",
+    "CommandFailed",
     "ConfigError",
+    "CrontabError",
     "JobStatus",
     "LeaseLost",
     "RunContext",
@@ -80,6 +85,7 @@ __all__ = [
     "StoreError",
     "SystemClock",
     "format_duration",
+    "main",
     "parse_duration",
 ]
 
@@ -410,6 +416,10 @@ class _Schedule:
 
     def next_after(self, after_ms: int) -> int | None:
         raise NotImplementedError
+
+    def first_watermark(self, now_ms: int) -> int:
+        """Where a job new to the file starts: now, so nothing before counts as missed."""
+        return now_ms
 
 
 class _Every(_Schedule):
@@ -781,6 +791,7 @@ _SCHEMA = (
         started_at INTEGER,
         finished_at INTEGER,
         error TEXT,
+        output TEXT,
         UNIQUE (job, slot, attempt)
     )""",
     "CREATE INDEX IF NOT EXISTS history_by_job ON history (job, id)",
@@ -830,13 +841,13 @@ _SQL_RECORD = (
     "finished_at = excluded.finished_at, error = excluded.error"
 )
 _SQL_END_ATTEMPT = (
-    "UPDATE history SET status = ?, finished_at = ?, error = ? WHERE job = ? AND slot = ? AND attempt = ?"
+    "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ? WHERE job = ? AND slot = ? AND attempt = ?"
 )
 _SQL_SLOT_USED = (
     "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
 )
 _SQL_HISTORY = (
-    "SELECT job, slot, attempt, status, instance, started_at, finished_at, error FROM history "
+    "SELECT job, slot, attempt, status, instance, started_at, finished_at, error, output FROM history "
     "WHERE (? IS NULL OR job = ?) ORDER BY id DESC LIMIT ?"
 )
 _SQL_PRUNE_HISTORY = (
@@ -916,6 +927,7 @@ class RunRecord:
     started_at: _dt.datetime | None
     finished_at: _dt.datetime | None
     error: str | None
+    output: str | None = None  # what the handler returned, if a string (the last 4 KiB)
 
     @property
     def scheduled_at(self) -> _dt.datetime:
@@ -950,11 +962,16 @@ class _Store:
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise StoreError(self.path, f"directory {directory} does not exist")
-        try:
-            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.close(descriptor)
-        except OSError as exc:
-            raise StoreError(self.path, f"cannot open the database file for writing: {exc.strerror}") from None
+        if not os.path.exists(self.path):
+            # Create it owner-only. Never open and close an existing file here: closing any
+            # descriptor of a file drops every POSIX lock this process holds on it, SQLite's too,
+            # and another process would then think the WAL unused and delete it.
+            try:
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreError(self.path, f"cannot create the database file: {exc.strerror}") from None
         try:
             conn = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
@@ -1035,11 +1052,12 @@ class _Store:
 
     # -- jobs -------------------------------------------------------------------------------------
 
-    def register(self, names_and_schedules: Sequence[tuple[str, str]], now_ms: int) -> None:
-        """Add jobs not yet in the file, with their watermark at ``now_ms`` (nothing missed)."""
+    def register(self, jobs: Sequence[tuple[str, str, int]]) -> None:
+        """Add (name, schedule text, watermark) for jobs not yet in the file; update the text of the
+        others. A new job's watermark is normally now: nothing before it counts as missed."""
 
         def work(conn: sqlite3.Connection) -> None:
-            conn.executemany(_SQL_REGISTER, [(name, text, now_ms) for name, text in names_and_schedules])
+            conn.executemany(_SQL_REGISTER, jobs)
 
         self._write(work)
 
@@ -1138,7 +1156,7 @@ class _Store:
                 return None
             job, slot, attempt = expected.job, expected.slot, expected.attempt
             if expected.state == "running":
-                conn.execute(_SQL_END_ATTEMPT, ("interrupted", now_ms, reason, job, slot, attempt))
+                conn.execute(_SQL_END_ATTEMPT, ("interrupted", now_ms, reason, None, job, slot, attempt))
             if expected.cancel:
                 self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
                 return None
@@ -1191,6 +1209,7 @@ class _Store:
         now_ms: int,
         then: str = "done",
         not_before: int = 0,
+        output: str | None = None,
     ) -> bool:
         """End an attempt with ``status``; ``then`` is ``"done"``, ``"retry"`` or ``"handover"``.
 
@@ -1201,7 +1220,7 @@ class _Store:
         def work(conn: sqlite3.Connection) -> bool:
             if not conn.execute(_SQL_IS_HELD, (claim.job, claim.slot, claim.attempt, owner)).fetchall():
                 return False
-            conn.execute(_SQL_END_ATTEMPT, (status, now_ms, error, claim.job, claim.slot, claim.attempt))
+            conn.execute(_SQL_END_ATTEMPT, (status, now_ms, error, output, claim.job, claim.slot, claim.attempt))
             if then == "done":
                 conn.execute(_SQL_DELETE_RUN, (claim.job, claim.slot))
                 self._prune(conn, claim.job)
@@ -1270,7 +1289,7 @@ class _Store:
 
     def history(self, job: str | None, limit: int) -> list[RunRecord]:
         return [
-            RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7])
+            RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
             for r in self._read(_SQL_HISTORY, (job, job, limit))
         ]
 
@@ -1827,6 +1846,7 @@ class _Outcome:
     status: str | None  # None: the attempt lost its run, nothing to write
     error: str | None = None
     retryable: bool = False
+    output: str | None = None
 
 
 class Scheduler:
@@ -1978,8 +1998,10 @@ class Scheduler:
         thread = self._store_thread
         if not self._registered and self._jobs:
             now = _ms(self._clock.time())
-            jobs = [(job.name, job.schedule.description) for job in self._jobs.values()]
-            await thread.call(lambda s: s.register(jobs, now))
+            jobs = [
+                (job.name, job.schedule.description, job.schedule.first_watermark(now)) for job in self._jobs.values()
+            ]
+            await thread.call(lambda s: s.register(jobs))
             self._registered = True
         return await thread.call(work)
 
@@ -2364,7 +2386,14 @@ class Scheduler:
             try:
                 await self._call_store(
                     lambda s: s.finish(
-                        claim, self.instance, outcome.status or "", outcome.error, now_ms, then, not_before
+                        claim,
+                        self.instance,
+                        outcome.status or "",
+                        outcome.error,
+                        now_ms,
+                        then,
+                        not_before,
+                        outcome.output,
                     )
                 )
                 break
@@ -2476,14 +2505,18 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
         return _Outcome(status, f"did not return within the {format_duration(grace)} grace period after: {reason}")
     exc = work.exception()
     if exc is None:
-        return _Outcome("succeeded")
+        return _Outcome("succeeded", output=_tail(work.result()))
     if isinstance(exc, LeaseLost):
         return _Outcome(None)
     if isinstance(exc, Aborted):
         status = next(s for cls, s in _ABORT_STATUS.items() if isinstance(exc, cls))
         return _Outcome(status, f"{type(exc).__name__}: {exc}", retryable=status == "timed_out")
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:])
-    return _Outcome("failed", text.strip()[-2000:], retryable=True)
+    return _Outcome("failed", text.strip()[-2000:], retryable=True, output=_tail(getattr(exc, "output", None)))
+
+
+def _tail(value: object, size: int = 4096) -> str | None:
+    return value[-size:] if isinstance(value, str) else None
 
 
 def _run_info(row: _RunRow, now: float) -> RunInfo:
@@ -2549,3 +2582,383 @@ def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]
     if count > len(kept) and records:
         records[-1] = (kept[-1], f"missed; {count - len(kept)} more occurrences were missed and not recorded")
     return records
+
+
+###############################################################################
+# The command line ############################################################
+###############################################################################
+
+_OUTPUT_TAIL = 4096
+_CRONTAB_OPTIONS = (
+    "name",
+    "timeout",
+    "overlap",
+    "retries",
+    "retry_delay",
+    "catch_up",
+    "lease",
+    "grace",
+    "max_attempts",
+)
+_OPTION_COMMENT = re.compile(r"#\s*(" + "|".join(_CRONTAB_OPTIONS) + r")\s*:", re.IGNORECASE)
+_OPTION_PAIR = re.compile(r"(\w+)\s*:\s*([^\s,]+)")
+_ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
+
+
+class CrontabError(ConfigError):
+    """A line of a crontab file is wrong; ``path`` and ``line`` say where."""
+
+    def __init__(self, path: str, line: int, message: str):
+        ValueError.__init__(self, f"{path}:{line}: {message}")
+        self.job, self.option, self.path, self.line = None, None, path, line
+
+
+class CommandFailed(Exception):
+    """A crontab command exited with a non-zero code; ``output`` is the tail of what it printed."""
+
+    def __init__(self, code: int, output: str):
+        super().__init__(f"exit code {code}")
+        self.code, self.output = code, output
+
+
+class _Reboot(_Schedule):
+    """``@reboot``: one occurrence per boot of the machine, at the boot time."""
+
+    description = "@reboot"
+
+    def __init__(self) -> None:
+        text = _read_text("/proc/stat") or ""
+        match = re.search(r"^btime (\d+)$", text, re.MULTILINE)
+        self.boot_ms = int(match.group(1)) * 1000 if match else _ms(time.time() - time.monotonic())
+
+    def next_after(self, after_ms: int) -> int | None:
+        return self.boot_ms if after_ms < self.boot_ms else None
+
+    def first_watermark(self, now_ms: int) -> int:
+        return 0  # the boot is not "before the job existed": run it
+
+
+@dataclasses.dataclass
+class _CrontabEntry:
+    line: int
+    name: str
+    kind: str  # "cron", "every" or "reboot"
+    spec: str
+    command: str
+    env: dict[str, str]
+    options: dict[str, Any]
+
+
+def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
+    """Read a crontab: entries, ``NAME=value`` lines, and ``# key: value`` option comments."""
+    env: dict[str, str] = {}
+    pending: dict[str, Any] = {}
+    entries: list[_CrontabEntry] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            if _OPTION_COMMENT.match(line):
+                pending.update(_option_comment(line, path, number))
+            continue
+        assignment = _ENV_LINE.match(line)
+        if assignment and not line.startswith("@") and " " not in assignment.group(1):
+            value = assignment.group(2).strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            env[assignment.group(1)] = value
+            continue
+        entries.append(_crontab_entry(line, number, path, dict(env), pending))
+        pending = {}
+    names = [e.name for e in entries]
+    for entry in entries:
+        if names.count(entry.name) > 1:
+            raise CrontabError(path, entry.line, f"job name {entry.name!r} is used twice")
+    return entries
+
+
+def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for key, value in _OPTION_PAIR.findall(line):
+        key = key.lower()
+        if key not in _CRONTAB_OPTIONS:
+            raise CrontabError(path, number, f"unknown option {key!r} (known: {', '.join(_CRONTAB_OPTIONS)})")
+        options[key] = int(value) if key in ("retries", "max_attempts") and value.isdigit() else value
+    return options
+
+
+def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], options: dict[str, Any]) -> _CrontabEntry:
+    parts = line.split(None, 1)
+    if parts[0].lower() == "@every":
+        fields = line.split(None, 2)
+        if len(fields) < 3:
+            raise CrontabError(path, number, "@every needs a duration and a command")
+        kind, spec, command = "every", fields[1], fields[2]
+    elif parts[0].lower() == "@reboot":
+        if len(parts) < 2:
+            raise CrontabError(path, number, "@reboot needs a command")
+        kind, spec, command = "reboot", "@reboot", parts[1]
+    elif parts[0].startswith("@"):
+        if len(parts) < 2:
+            raise CrontabError(path, number, f"{parts[0]} needs a command")
+        kind, spec, command = "cron", parts[0], parts[1]
+    else:
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            raise CrontabError(path, number, "expected 5 schedule fields and a command")
+        kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
+    digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
+    name = str(options.pop("name", None) or f"{kind}-{digest}")
+    return _CrontabEntry(number, name, kind, spec, command, env, options)
+
+
+def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
+    for entry in entries:
+        handler = _command_handler(entry.command, entry.env)
+        try:
+            if entry.kind == "every":
+                scheduler.every(entry.name, entry.spec, handler, **entry.options)
+            elif entry.kind == "reboot":
+                scheduler._declare(entry.name, _Reboot(), handler, {"catch_up": "3650d", **entry.options})
+            else:
+                tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
+                scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
+        except ConfigError as exc:
+            raise CrontabError(path, entry.line, str(exc)) from None
+
+
+def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext], Awaitable[str]]:
+    """A handler that runs ``$SHELL -c command`` in a process group of its own."""
+
+    async def run_command(ctx: RunContext) -> str:
+        shell = env.get("SHELL", "/bin/sh")
+        variables = {
+            **os.environ,
+            **env,
+            "ANARCHON_JOB": ctx.job,
+            "ANARCHON_SLOT": str(ctx.slot),
+            "ANARCHON_ATTEMPT": str(ctx.attempt),
+            "ANARCHON_SCHEDULED_AT": ctx.scheduled_at.isoformat(),
+        }
+        proc = await asyncio.create_subprocess_exec(
+            shell,
+            "-c",
+            command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=variables,
+            start_new_session=True,
+        )
+        tail = bytearray()
+        reader = asyncio.ensure_future(_read_tail(proc, tail))
+        aborted = asyncio.ensure_future(ctx.signal.wait())
+        try:
+            await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done():
+                _kill_group(proc.pid, signal.SIGTERM)
+                ctx.log.info("sent SIGTERM to the command's process group")
+                await asyncio.wait({reader}, timeout=_GROUP_GRACE)
+                _kill_group(proc.pid, signal.SIGKILL)
+            await reader
+            code = await proc.wait()
+        finally:
+            aborted.cancel()
+            if proc.returncode is None:
+                _kill_group(proc.pid, signal.SIGKILL)
+        output = bytes(tail).decode(errors="replace")
+        ctx.signal.throw_if_aborted()
+        if code != 0:
+            raise CommandFailed(code, output)
+        return output
+
+    return run_command
+
+
+_GROUP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for an aborted command's process group
+
+
+async def _read_tail(proc: asyncio.subprocess.Process, tail: bytearray) -> None:
+    assert proc.stdout is not None
+    while True:
+        chunk = await proc.stdout.read(65536)
+        if not chunk:
+            return
+        tail.extend(chunk)
+        del tail[:-_OUTPUT_TAIL]
+
+
+def _kill_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _progress_bar(progress: tuple[float, float | None] | None) -> str:
+    if progress is None:
+        return ""
+    done, total = progress
+    if not total:
+        return f"{done:g} done"
+    share = max(0.0, min(1.0, done / total))
+    return f"[{'#' * round(share * 20):<20}] {share:4.0%} ({done:g}/{total:g})"
+
+
+def _record_json(record: RunRecord) -> dict[str, Any]:
+    fields = dataclasses.asdict(record)
+    for key in ("started_at", "finished_at"):
+        fields[key] = fields[key].isoformat() if fields[key] else None
+    fields["scheduled_at"] = record.scheduled_at.isoformat()
+    return fields
+
+
+def _print_status(jobs: list[JobStatus], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([_status_json(job) for job in jobs], indent=2))
+        return
+    print(f"{'JOB':<24} {'SCHEDULE':<36} {'NEXT (UTC)':<20} STATE")
+    for job in jobs:
+        following = job.next_at.strftime("%Y-%m-%d %H:%M:%S") if job.next_at else "-"
+        print(f"{job.name:<24} {job.schedule[:36]:<36} {following:<20} {'paused' if job.paused else 'active'}")
+        for info in job.runs:
+            age = f"{info.age:.0f}s" if info.age is not None else "-"
+            print(
+                f"    attempt {info.attempt} {info.state} on {info.owner or '-'}, age {age} {_progress_bar(info.progress)}"
+            )
+
+
+def _status_json(job: JobStatus) -> dict[str, Any]:
+    return {
+        "name": job.name,
+        "schedule": job.schedule,
+        "paused": job.paused,
+        "next_at": job.next_at.isoformat() if job.next_at else None,
+        "runs": [
+            {**dataclasses.asdict(r), "started_at": r.started_at.isoformat() if r.started_at else None}
+            for r in job.runs
+        ],
+    }
+
+
+def _print_history(records: list[RunRecord], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([_record_json(r) for r in records], indent=2))
+        return
+    print(f"{'JOB':<24} {'SCHEDULED (UTC)':<24} {'ATT':>3} {'STATUS':<11} {'INSTANCE':<28} ERROR")
+    for r in records:
+        error = (r.error or "").splitlines()[-1][:60] if r.error else ""
+        at = r.scheduled_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        print(f"{r.job:<24} {at:<24} {r.attempt:>3} {r.status:<11} {(r.instance or '-'):<28} {error}")
+
+
+def _run_crontab(scheduler: Scheduler, path: str) -> None:
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+
+        def reload() -> None:
+            try:
+                fresh = Scheduler(scheduler.path)
+                _declare_crontab(fresh, _parse_crontab(_read_file(path), path), path)
+            except (ConfigError, OSError) as exc:
+                _log.error("SIGHUP: keeping the current table: %s", exc)
+                return
+            scheduler._jobs = fresh._jobs
+            scheduler._registered = False
+            scheduler._poke()
+            _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh._jobs))
+
+        loop.add_signal_handler(signal.SIGHUP, reload)
+        await scheduler.run()
+
+    asyncio.run(serve())
+
+
+def _read_file(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
+
+
+def _load_scheduler(target: str) -> Scheduler:
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(f"expected MODULE:ATTRIBUTE, got {target!r}")
+    sys.path.insert(0, os.getcwd())
+    found = getattr(importlib.import_module(module_name), attribute)
+    if not isinstance(found, Scheduler) and callable(found):
+        found = found()
+    if not isinstance(found, Scheduler):
+        raise ConfigError(f"{target} is not a Scheduler")
+    return found
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
+    parser.add_argument("--db", default=os.environ.get("ANARCHON_DB"), help="the database file (default: $ANARCHON_DB)")
+    parser.add_argument("--log-level", default="INFO", help="logging level for run and crontab (default: INFO)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="every job, its next occurrence and running attempts")
+    status.add_argument("--json", action="store_true")
+    history = commands.add_parser("history", help="run records, newest first")
+    history.add_argument("--job")
+    history.add_argument("--limit", type=int, default=50)
+    history.add_argument("--json", action="store_true")
+    for name, text in (
+        ("trigger", "record a run due now"),
+        ("pause", "pause a job"),
+        ("resume", "resume a job"),
+        ("cancel", "cancel a job's unfinished runs"),
+    ):
+        commands.add_parser(name, help=text).add_argument("name")
+    commands.add_parser("run", help="run the Scheduler that MODULE:ATTRIBUTE names").add_argument("target")
+    commands.add_parser("crontab", help="run a crontab file of shell commands").add_argument("file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: ``python -m anarchon_lite --help``."""
+    args = _parser().parse_args(argv)
+    try:
+        return _command(args)
+    except (AnarchonError, OSError) as exc:
+        print(f"anarchon-lite: {exc}", file=sys.stderr)
+        return 2
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command in ("run", "crontab"):
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "run":
+        scheduler = _load_scheduler(args.target)
+        asyncio.run(scheduler.run())
+        return 0
+    if not args.db:
+        raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")
+    if args.command == "crontab":
+        scheduler = Scheduler(args.db)
+        _declare_crontab(scheduler, _parse_crontab(_read_file(args.file), args.file), args.file)
+        _run_crontab(scheduler, args.file)
+        return 0
+    if args.command not in ("status", "history") and not os.path.exists(args.db):
+        raise StoreError(args.db, "no such database file")
+    scheduler = Scheduler(args.db)
+    if args.command == "status":
+        _print_status(asyncio.run(scheduler.status()), args.json)
+    elif args.command == "history":
+        _print_history(asyncio.run(scheduler.history(args.job, args.limit)), args.json)
+    elif args.command == "trigger":
+        print(asyncio.run(scheduler.trigger(args.name)))
+    elif args.command == "pause":
+        asyncio.run(scheduler.pause(args.name))
+    elif args.command == "resume":
+        asyncio.run(scheduler.resume(args.name))
+    elif args.command == "cancel":
+        asyncio.run(scheduler.cancel(args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the command line from the module proper, not from ``__main__``: a user's module imported by
+    # ``run`` must meet the same ``Scheduler`` class as the command line does.
+    sys.exit(importlib.import_module("anarchon_lite").main())

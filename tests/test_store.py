@@ -19,7 +19,7 @@ OTHER = al._Owner("b", os.getpid(), None, None, None)
 
 def store(db, **kw):
     s = al._Store(db, **kw)
-    s.register([("job", "every 1h")], 0)
+    s.register([("job", "every 1h", 0)])
     return s
 
 
@@ -187,3 +187,27 @@ def test_missed_records_and_watermark_are_one_transaction(db):
     ]
     # a stale watermark writes nothing
     assert s.claim_due("job", 0, 3000, 4000, [(1000, None)], True, True, OWNER, 0, 5000) is None
+
+
+def test_opening_more_connections_keeps_this_process_locks(db):
+    """A second connection in this process must not drop the first one's POSIX locks; if it did,
+    another process closing the file would delete the WAL that this process still writes to."""
+    import subprocess
+    import sys
+
+    first = store(db)
+    second = al._Store(db)
+    second.data_version()
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sqlite3; sqlite3.connect({db!r}).execute('SELECT count(*) FROM runs').fetchall()",
+        ],
+        check=True,
+        timeout=30,
+    )
+    assert os.path.exists(db + "-wal")
+    first.trigger("job", 123)
+    fresh = sqlite3.connect(db)
+    assert fresh.execute("SELECT slot FROM runs").fetchall() == [(123,)]
