@@ -417,10 +417,6 @@ class _Schedule:
     def next_after(self, after_ms: int) -> int | None:
         raise NotImplementedError
 
-    def first_watermark(self, now_ms: int) -> int:
-        """Where a job new to the file starts: now, so nothing before counts as missed."""
-        return now_ms
-
 
 class _Every(_Schedule):
     def __init__(self, interval: float, offset: float):
@@ -433,6 +429,16 @@ class _Every(_Schedule):
     def next_after(self, after_ms: int) -> int | None:
         steps = (after_ms - self.offset) // self.interval + 1
         return steps * self.interval + self.offset
+
+
+class _OnStart(_Schedule):
+    """Runs once when a group of scheduler processes starts on a file (no other one running), never
+    on a clock: ``@reboot`` in a crontab."""
+
+    description = "@reboot"
+
+    def next_after(self, after_ms: int) -> int | None:
+        return None
 
 
 def _local_zone() -> _dt.tzinfo:
@@ -796,6 +802,15 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS history_by_job ON history (job, id)",
     "CREATE INDEX IF NOT EXISTS history_by_slot ON history (slot)",
+    # One row per running scheduler process, so that a process can tell whether it starts alone.
+    """CREATE TABLE IF NOT EXISTS instances (
+        instance TEXT PRIMARY KEY,
+        pid INTEGER NOT NULL,
+        start INTEGER,
+        namespace TEXT,
+        boot_id TEXT,
+        started_at INTEGER NOT NULL
+    )""",
     """CREATE TABLE IF NOT EXISTS checkpoints (
         job TEXT NOT NULL,
         slot INTEGER NOT NULL,
@@ -859,6 +874,11 @@ _SQL_PRUNE_CHECKPOINTS = (
     "AND r.slot = checkpoints.slot) AND NOT EXISTS (SELECT 1 FROM history h WHERE h.job = checkpoints.job "
     "AND h.slot = checkpoints.slot)"
 )
+_SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id FROM instances"
+_SQL_JOIN = (
+    "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at) VALUES (?, ?, ?, ?, ?, ?)"
+)
+_SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
 _SQL_CHECKPOINT_GET = "SELECT value FROM checkpoints WHERE job = ? AND slot = ?"
 _SQL_CHECKPOINT_SET = (
     "INSERT INTO checkpoints (job, slot, value, updated_at) VALUES (?, ?, ?, ?) "
@@ -905,6 +925,9 @@ class _RunRow:
     progress_done: float | None
     progress_total: float | None
     started_at: int | None
+
+    def holder(self) -> _Owner:
+        return _Owner(self.owner or "", self.owner_pid or 0, self.owner_start, self.owner_ns, self.boot_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1264,6 +1287,28 @@ class _Store:
 
         return self._write(work)
 
+    # -- running processes ------------------------------------------------------------------------
+
+    def join(self, me: _Owner, now_ms: int, is_gone: Callable[[_Owner], bool]) -> bool:
+        """Record this process as running; forget those that ``is_gone``. Returns whether no other
+        process was running: the start of a group of schedulers (what ``@reboot`` runs on)."""
+
+        def work(conn: sqlite3.Connection) -> bool:
+            others = [_Owner(*row) for row in conn.execute(_SQL_INSTANCES) if row[0] != me.instance]
+            alive = 0
+            for other in others:
+                if is_gone(other):
+                    conn.execute(_SQL_LEAVE, (other.instance,))
+                else:
+                    alive += 1
+            conn.execute(_SQL_JOIN, (me.instance, me.pid, me.start, me.namespace, me.boot_id, now_ms))
+            return alive == 0
+
+        return self._write(work)
+
+    def leave(self, instance: str) -> None:
+        self._write(lambda conn: conn.execute(_SQL_LEAVE, (instance,)))
+
     # -- checkpoints and history ------------------------------------------------------------------
 
     def checkpoint_get(self, job: str, slot: int) -> str | None:
@@ -1348,23 +1393,23 @@ def _this_owner(instance: str) -> _Owner:
     )
 
 
-def _owner_gone(row: _RunRow, me: _Owner) -> str | None:
-    """Why the process that holds ``row`` no longer exists, or None when it may be alive.
+def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
+    """Why the process ``owner`` no longer exists, or None when it may be alive.
 
     Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
     or a pid now used by a process that started at another time.
     """
-    if row.boot_id and me.boot_id and row.boot_id != me.boot_id:
+    if owner.boot_id and me.boot_id and owner.boot_id != me.boot_id:
         return "the owner's host rebooted"
-    if row.owner_pid is None or row.owner_ns is None or row.owner_ns != me.namespace or me.start is None:
+    if owner.namespace is None or owner.namespace != me.namespace or me.start is None:
         return None
-    state = _process_start(row.owner_pid)
+    state = _process_start(owner.pid)
     if state is None:
-        return f"owner process {row.owner_pid} exited"
+        return f"owner process {owner.pid} exited"
     if state[0] in ("Z", "X"):
-        return f"owner process {row.owner_pid} exited (zombie)"
-    if row.owner_start is not None and state[1] != row.owner_start:
-        return f"owner process {row.owner_pid} exited (pid reused)"
+        return f"owner process {owner.pid} exited (zombie)"
+    if owner.start is not None and state[1] != owner.start:
+        return f"owner process {owner.pid} exited (pid reused)"
     return None
 
 
@@ -1998,9 +2043,7 @@ class Scheduler:
         thread = self._store_thread
         if not self._registered and self._jobs:
             now = _ms(self._clock.time())
-            jobs = [
-                (job.name, job.schedule.description, job.schedule.first_watermark(now)) for job in self._jobs.values()
-            ]
+            jobs = [(job.name, job.schedule.description, now) for job in self._jobs.values()]
             await thread.call(lambda s: s.register(jobs))
             self._registered = True
         return await thread.call(work)
@@ -2119,7 +2162,12 @@ class Scheduler:
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
-        await self._call_store(lambda s: s.data_version())  # a file we cannot use fails here, at once
+        now_ms = _ms(self._clock.time())
+        me = self._owner
+        alone = await self._call_store(lambda s: s.join(me, now_ms, lambda o: _owner_gone(o, me) is not None))
+        on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
+        if alone and on_start:  # the first process of a group runs the jobs declared to run on start
+            await self._call_store(lambda s: [s.trigger(name, now_ms) for name in on_start])
         self._stopping = False
         self._poked = False
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
@@ -2153,6 +2201,10 @@ class Scheduler:
             self._timers.stop()
             self._heartbeats.stop()
             if self._store_thread is not None:
+                try:
+                    await self._call_store(lambda s: s.leave(self.instance))
+                except StoreError as exc:
+                    _log.warning("%s", exc)
                 self._store_thread.close()
                 self._store_thread = None
             self._registered = False
@@ -2276,7 +2328,7 @@ class Scheduler:
             if run.not_before > now_ms:
                 return (run.not_before - now_ms) / 1000
         else:
-            gone = _owner_gone(run, self._owner)
+            gone = _owner_gone(run.holder(), self._owner) if run.owner_pid is not None else None
             left = (run.lease_until or 0.0) - self._clock.monotonic()
             if gone is None and left >= 0:
                 return min(self._poll, left + 0.001)  # watch the owner's pid, and its lease
@@ -2621,23 +2673,6 @@ class CommandFailed(Exception):
         self.code, self.output = code, output
 
 
-class _Reboot(_Schedule):
-    """``@reboot``: one occurrence per boot of the machine, at the boot time."""
-
-    description = "@reboot"
-
-    def __init__(self) -> None:
-        text = _read_text("/proc/stat") or ""
-        match = re.search(r"^btime (\d+)$", text, re.MULTILINE)
-        self.boot_ms = int(match.group(1)) * 1000 if match else _ms(time.time() - time.monotonic())
-
-    def next_after(self, after_ms: int) -> int | None:
-        return self.boot_ms if after_ms < self.boot_ms else None
-
-    def first_watermark(self, now_ms: int) -> int:
-        return 0  # the boot is not "before the job existed": run it
-
-
 @dataclasses.dataclass
 class _CrontabEntry:
     line: int
@@ -2720,7 +2755,7 @@ def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: s
             if entry.kind == "every":
                 scheduler.every(entry.name, entry.spec, handler, **entry.options)
             elif entry.kind == "reboot":
-                scheduler._declare(entry.name, _Reboot(), handler, {"catch_up": "3650d", **entry.options})
+                scheduler._declare(entry.name, _OnStart(), handler, entry.options)
             else:
                 tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
                 scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)

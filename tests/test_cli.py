@@ -173,3 +173,37 @@ def test_status_shows_progress_and_control_from_another_process(tmp_path, daemon
     cli(db, "cancel", "work")
     wait_until(lambda: any(r["status"] == "cancelled" for r in history(db, "work")), what="cancelled")
     assert cli(db, "pause", "nope", check=False).returncode != 0
+
+
+def test_reboot_runs_once_per_start_of_the_group(tmp_path, daemons):
+    db, out = str(tmp_path / "jobs.db"), tmp_path / "boot.txt"
+    crontab = tmp_path / "crontab"
+    crontab.write_text(f"@reboot echo $ANARCHON_SLOT >> {out}\n")
+    first = [daemons.start("--db", db, "crontab", str(crontab)) for _ in range(2)]
+    wait_until(lambda: out.exists() and out.read_text().strip(), what="the @reboot entry")
+    wait_until(lambda: len(json.loads(cli(db, "status", "--json").stdout)) == 1, what="status")
+    time.sleep(1.0)  # the second process is running too: it must not run the entry again
+    assert len(out.read_text().splitlines()) == 1
+    daemons.close()
+    assert all(p.returncode == 0 for p in first)
+    daemons.procs = []
+    daemons.start("--db", db, "crontab", str(crontab))  # a new start of the group
+    wait_until(lambda: len(out.read_text().splitlines()) == 2, what="the second @reboot")
+
+
+def test_sighup_rereads_the_file_and_keeps_the_old_table_on_a_bad_edit(tmp_path, daemons):
+    db = str(tmp_path / "jobs.db")
+    crontab = tmp_path / "crontab"
+    crontab.write_text("# name: first\n@hourly true\n")
+    proc = daemons.start("--db", db, "crontab", str(crontab))
+    wait_until(lambda: os.path.exists(db) and "first" in cli(db, "status").stdout, what="first job")
+    crontab.write_text("# name: first\n@hourly true\n# name: second\n@every 1s echo second\n")
+    proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: any(r["status"] == "succeeded" for r in history(db, "second")), what="the new job to run")
+    crontab.write_text("# name: third\n99 * * * * true\n")
+    proc.send_signal(signal.SIGHUP)
+    count = len(history(db, "second"))
+    wait_until(lambda: len(history(db, "second")) > count, what="the old table to keep running")
+    assert proc.poll() is None
+    log = (tmp_path / "daemon-0.log").read_text()
+    assert "keeping the current table" in log and "crontab:2:" in log
