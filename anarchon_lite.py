@@ -1209,17 +1209,12 @@ class _Store:
 
     def renew(
         self, claim: _Claim, owner: str, lease_until: float, progress: tuple[float | None, float | None]
-    ) -> bool | None:
-        """Extend the lease; ``None`` if the attempt no longer holds the run, else the cancel flag."""
+    ) -> bool:
+        """Extend the lease (one statement); False if the attempt no longer holds the run."""
         conn = self._connect()
         try:
-            changed = conn.execute(
-                _SQL_RENEW, (lease_until, progress[0], progress[1], claim.job, claim.slot, claim.attempt, owner)
-            ).rowcount
-            if not changed:
-                return None
-            row = conn.execute(_SQL_IS_HELD, (claim.job, claim.slot, claim.attempt, owner)).fetchone()
-            return bool(row and row[0])
+            args = (lease_until, progress[0], progress[1], claim.job, claim.slot, claim.attempt, owner)
+            return conn.execute(_SQL_RENEW, args).rowcount == 1
         except sqlite3.Error as exc:
             raise StoreError(self.path, _explain(exc)) from None
 
@@ -1537,12 +1532,10 @@ class _Heartbeats(threading.Thread):
             _log.warning("%s slot %s: lease renewal failed, retrying: %s", attempt.claim.job, attempt.claim.slot, exc)
             return self._clock.monotonic() + min(attempt.renew_every, 0.2)
         self.lateness.add(self._clock.monotonic() - planned)
-        if held is None:
+        if not held and not attempt.done:  # (a finished attempt's run is simply gone)
             self.lateness.lost += 1
             attempt.token.abort(LeaseLost(f"{attempt.claim.job}: the run was taken over by another attempt"))
             attempt.done = True
-        elif held:
-            attempt.token.abort(Cancelled(f"{attempt.claim.job}: cancelled"))
         return max(planned + attempt.renew_every, self._clock.monotonic() + attempt.renew_every / 4)
 
 

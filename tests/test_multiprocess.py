@@ -69,6 +69,17 @@ def history(db, job=None):
     return run(Scheduler(db).history(job, limit=1000))
 
 
+def settled(db, job, expected, timeout=20.0):
+    """The attempts and statuses of ``job``, once they equal ``expected`` (the handler's "done" event
+    comes just before its run's final record is written)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = sorted((r.attempt, r.status) for r in history(db, job))
+        if found == expected or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
 def start_all(procs, mode, n, lease=30.0):
     started = [procs.start(mode, lease) for _ in range(n)]
     for proc in started:
@@ -118,8 +129,7 @@ def test_kill_9_is_taken_over_from_the_checkpoint_within_2_s(procs):
     assert second["after"] == last >= saved["after"]  # continues after the saved checkpoint
     assert second["t"] - killed_at < 2.0, "dead owner not detected promptly (lease is 30 s)"
     procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
-    records = sorted((r.attempt, r.status) for r in history(procs.db, "export"))
-    assert records == [(1, "interrupted"), (2, "succeeded")]
+    assert settled(procs.db, "export", [(1, "interrupted"), (2, "succeeded")]) == [(1, "interrupted"), (2, "succeeded")]
 
 
 def test_sigterm_hands_the_run_over(procs):
@@ -136,7 +146,7 @@ def test_sigterm_hands_the_run_over(procs):
     second = procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 2, what="hand-over")
     assert second["after"] == last and second["pid"] != owner
     procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
-    assert sorted((r.attempt, r.status) for r in history(procs.db, "export")) == [(1, "interrupted"), (2, "succeeded")]
+    assert settled(procs.db, "export", [(1, "interrupted"), (2, "succeeded")]) == [(1, "interrupted"), (2, "succeeded")]
 
 
 def test_sigstop_past_the_lease_is_taken_over_and_fenced(procs):
@@ -157,7 +167,7 @@ def test_sigstop_past_the_lease_is_taken_over_and_fenced(procs):
     # no write of the frozen attempt landed after its successor read the checkpoint
     assert max(e["after"] for e in procs.read() if e["event"] == "saved" and e["pid"] == owner) <= second["after"]
     assert run(Scheduler(procs.db).checkpoints.get("export", slot)) is None  # deleted by attempt 2 only
-    assert sorted((r.attempt, r.status) for r in history(procs.db, "export")) == [(1, "interrupted"), (2, "succeeded")]
+    assert settled(procs.db, "export", [(1, "interrupted"), (2, "succeeded")]) == [(1, "interrupted"), (2, "succeeded")]
 
 
 @pytest.mark.parametrize("mode", ["block", "spin"])
@@ -170,10 +180,4 @@ def test_cpu_bound_handler_keeps_its_lease(procs, mode):
     procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
     assert [e for e in procs.read() if e["event"] == "start" and e["attempt"] > 1] == []
 
-    def finished():
-        return [(r.attempt, r.status) for r in history(procs.db, mode)] == [(1, "succeeded")]
-
-    deadline = time.monotonic() + 10
-    while not finished() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [(r.attempt, r.status) for r in history(procs.db, mode)] == [(1, "succeeded")]
+    assert settled(procs.db, mode, [(1, "succeeded")]) == [(1, "succeeded")]

@@ -134,7 +134,7 @@ def test_fencing_refuses_a_superseded_attempt(db):
     # b takes over (as if a's lease ran out)
     second = s.claim(row, OTHER, time.monotonic() + 30, 2000, 10, True, "lease expired")
     assert second.attempt == 2
-    assert s.renew(first, "a", time.monotonic() + 30, (None, None)) is None
+    assert s.renew(first, "a", time.monotonic() + 30, (None, None)) is False
     assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
     assert s.finish(first, "a", "succeeded", None, 3000) is False
     assert s.checkpoint_write("job", 1000, '"fresh"', 0, (2, "b")) is True
@@ -149,7 +149,7 @@ def test_a_renewed_lease_cannot_be_taken_over(db):
     s = store(db)
     claim = claim_due(s, OWNER)
     seen = s.runs()[0]
-    assert s.renew(claim, "a", time.monotonic() + 60, (3, 10)) is False
+    assert s.renew(claim, "a", time.monotonic() + 60, (3, 10)) is True
     assert s.claim(seen, OTHER, time.monotonic() + 30, 2000, 10, True, "lease expired") is None
     assert s.runs()[0].progress_done == 3
 

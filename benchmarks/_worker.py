@@ -1,0 +1,144 @@
+"""One scheduler process for the benchmarks: ``python _worker.py SCENARIO DB OUT [ARGS...]``.
+
+Scenarios write JSON lines to OUT: ``ready``, one line per handler start, and at exit the
+heartbeat lateness samples of this process (``heartbeats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from anarchon_lite import Aborted, Scheduler  # noqa: E402
+
+SCENARIO, DB, OUT = sys.argv[1:4]
+ARGS = sys.argv[4:]
+
+
+def emit(kind: str, **fields: object) -> None:
+    line = json.dumps({"event": kind, "pid": os.getpid(), "t": time.time(), **fields}) + "\n"
+    fd = os.open(OUT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def compute(seconds: float) -> int:
+    end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        n += sum(range(200))
+    return n
+
+
+def declare(scheduler: Scheduler) -> None:
+    duration = float(ARGS[0]) if ARGS else 10.0
+    mode = SCENARIO
+
+    async def started(ctx) -> None:
+        emit("start", job=ctx.job, slot=ctx.slot, attempt=ctx.attempt, late=time.time() - ctx.slot / 1000)
+
+    if mode == "idle":
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        async def idle(ctx):
+            await started(ctx)
+            try:
+                await ctx.signal.sleep(duration)
+            except Aborted:
+                pass
+
+    elif mode == "chunks":
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        async def chunks(ctx):
+            await started(ctx)
+            end = time.monotonic() + duration
+            while time.monotonic() < end and not ctx.signal.aborted:
+                compute(0.001)
+                await asyncio.sleep(0)
+
+    elif mode in ("thread", "busy_cores"):
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        def thread(ctx):
+            emit("start", job=ctx.job, slot=ctx.slot, attempt=ctx.attempt, late=0)
+            end = time.monotonic() + duration
+            while time.monotonic() < end and not ctx.signal.aborted:
+                compute(0.05)
+
+    elif mode == "process":
+        pool = concurrent.futures.ProcessPoolExecutor(1)
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        async def process(ctx):
+            await started(ctx)
+            loop = asyncio.get_running_loop()
+            end = time.monotonic() + duration
+            while time.monotonic() < end and not ctx.signal.aborted:
+                await loop.run_in_executor(pool, compute, 0.1)
+
+    elif mode == "blocking":
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        async def blocking(ctx):
+            await started(ctx)
+            compute(duration)  # never yields: the event loop is blocked the whole time
+
+    elif mode == "contended":
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        async def contended(ctx):
+            await started(ctx)
+            try:
+                await ctx.signal.sleep(duration)
+            except Aborted:
+                pass
+
+    elif mode == "export":  # takeover and hand-over: a long job with a 30 s lease
+
+        @scheduler.every("export", "24h", lease="30s")
+        async def export(ctx):
+            await started(ctx)
+            await ctx.signal.sleep(3600)
+
+    elif mode == "every":  # start lateness: a job every second
+
+        @scheduler.every("tick", "1s")
+        async def tick(ctx):
+            await started(ctx)
+
+    elif mode == "idle_cost":
+        for i in range(10):
+            scheduler.every(f"hourly-{i}", "1h", lambda ctx: None, offset=f"{i + 1}m")
+
+
+async def main() -> None:
+    scheduler = Scheduler(DB)
+    declare(scheduler)
+    duration = float(ARGS[0]) if ARGS else 10.0
+
+    @scheduler.every("companion", "24h", lease="1s", overlap="allow")
+    async def companion(ctx):  # more leases renewing under the same load, for more samples
+        try:
+            await ctx.signal.sleep(duration)
+        except Aborted:
+            pass
+
+    runner = asyncio.ensure_future(scheduler.run())
+    while scheduler._ready is None or not scheduler._ready.is_set():
+        await asyncio.sleep(0.01)
+    emit("ready")
+    await runner
+    heartbeats = scheduler._heartbeats
+    samples = heartbeats.lateness.samples if heartbeats else []
+    emit("heartbeats", samples=samples, lost=heartbeats.lateness.lost if heartbeats else 0)
+
+
+asyncio.run(main())

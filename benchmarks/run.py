@@ -1,0 +1,307 @@
+"""anarchon_lite benchmarks: ``python benchmarks/run.py [--quick] [--json PATH] [--plot PATH]``.
+
+Measures heartbeat lateness under seven kinds of load, takeover after ``kill -9`` and hand-over
+after SIGTERM, how late runs start, the cost of an idle scheduler, and the same small workloads on
+APScheduler 3 and 4 side by side. Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from anarchon_lite import Scheduler  # noqa: E402
+
+WORKER = os.path.join(HERE, "_worker.py")
+MODES = ["idle", "chunks", "thread", "process", "blocking", "busy_cores", "contended"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+class Fleet:
+    """Worker processes of one scenario, all ended and reaped on exit."""
+
+    def __init__(self, scenario: str, folder: str, *args: str):
+        self.scenario, self.args = scenario, args
+        self.db, self.out = os.path.join(folder, "jobs.db"), os.path.join(folder, "events.jsonl")
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, count: int = 1) -> list[subprocess.Popen[bytes]]:
+        new = [
+            subprocess.Popen([sys.executable, WORKER, self.scenario, self.db, self.out, *self.args])
+            for _ in range(count)
+        ]
+        self.procs += new
+        for proc in new:
+            self.wait(lambda e, pid=proc.pid: e["event"] == "ready" and e["pid"] == pid)
+        return new
+
+    def events(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.out):
+            return []
+        with open(self.out) as handle:
+            return [json.loads(line) for line in handle if line.endswith("\n")]
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in self.events():
+                if predicate(event):
+                    return event
+            time.sleep(0.005)
+        raise TimeoutError(f"{self.scenario}: no matching event in {timeout} s")
+
+    def trigger(self, job: str, times: int = 1) -> None:
+        scheduler = Scheduler(self.db)
+        for _ in range(times):
+            asyncio.run(scheduler.trigger(job))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def takeovers(db: str) -> int:
+    """Attempts after the first: each one is a run taken over from a live owner in these runs."""
+    with sqlite3.connect(db) as conn:
+        return int(conn.execute("SELECT count(*) FROM history WHERE attempt > 1").fetchone()[0])
+
+
+def heartbeat(mode: str, seconds: float) -> dict[str, Any]:
+    hogs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as folder, Fleet(mode, folder, str(seconds)) as fleet:
+        fleet.start(4 if mode == "contended" else 1)
+        if mode == "busy_cores":
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+        try:
+            runs = 4 if mode == "contended" else 1
+            fleet.trigger("companion", 4 * runs)
+            time.sleep(0.5)  # companions run before a handler that may block the loop starts
+            fleet.trigger("hb", runs)
+            time.sleep(seconds + 1.0)
+            fleet.stop()
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+        samples: list[float] = []
+        lost = 0
+        for event in fleet.events():
+            if event["event"] == "heartbeats":
+                samples += event["samples"]
+                lost += event["lost"]
+        lost += takeovers(fleet.db)
+    ms = [s * 1000 for s in samples]
+    return {
+        "renewals": len(ms),
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": max(ms) if ms else float("nan"),
+        "lost_leases": lost,
+        "samples_ms": ms,
+    }
+
+
+def takeover(trials: int, graceful: bool) -> dict[str, Any]:
+    times = []
+    for _ in range(trials):
+        with tempfile.TemporaryDirectory() as folder, Fleet("export", folder) as fleet:
+            fleet.start(2)
+            fleet.trigger("export")
+            first = fleet.wait(lambda e: e["event"] == "start" and e["attempt"] == 1)
+            owner = next(p for p in fleet.procs if p.pid == first["pid"])
+            killed = time.time()
+            owner.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+            second = fleet.wait(lambda e: e["event"] == "start" and e["attempt"] == 2)
+            times.append(second["t"] - killed)
+            fleet.stop()
+    return {"p50": statistics.median(times), "max": max(times), "n": len(times), "samples_s": times}
+
+
+def start_lateness(processes: int, seconds: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder, Fleet("every", folder) as fleet:
+        fleet.start(processes)
+        begin = time.time()
+        time.sleep(seconds)
+        fleet.stop()
+        late = [e["late"] * 1000 for e in fleet.events() if e["event"] == "start" and e["t"] > begin + 1]
+        slots = [e["slot"] for e in fleet.events() if e["event"] == "start"]
+    return {
+        "p50": percentile(late, 50),
+        "p99": percentile(late, 99),
+        "runs": len(late),
+        "duplicates": len(slots) - len(set(slots)),
+    }
+
+
+def proc_stats(pid: int) -> tuple[float, int, float]:
+    """CPU seconds, voluntary context switches and resident MB of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    switches, rss = 0, 0.0
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("voluntary_ctxt_switches"):
+                switches = int(line.split()[1])
+            elif line.startswith("VmRSS"):
+                rss = int(line.split()[1]) / 1024
+    return cpu, switches, rss
+
+
+class IdleProbe:
+    """One scheduler with ten hourly jobs and nothing due, measured while the other benchmarks run."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.TemporaryDirectory()
+        self.fleet = Fleet("idle_cost", self.folder.name)
+        self.fleet.start(1)
+        time.sleep(1.0)
+        self.pid = self.fleet.procs[0].pid
+        self.begin = time.monotonic()
+        self.cpu0, self.switches0, _ = proc_stats(self.pid)
+        self.conn = sqlite3.connect(self.fleet.db)
+        self.version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+
+    def result(self, minimum: float) -> dict[str, Any]:
+        remaining = minimum - (time.monotonic() - self.begin)
+        if remaining > 0:
+            time.sleep(remaining)
+        elapsed = time.monotonic() - self.begin
+        cpu, switches, rss = proc_stats(self.pid)
+        writes = int(self.conn.execute("PRAGMA data_version").fetchone()[0] != self.version)
+        self.conn.close()
+        self.fleet.stop()
+        self.fleet.__exit__()
+        self.folder.cleanup()
+        hours = elapsed / 3600
+        return {
+            "wakeups_per_min": (switches - self.switches0) / elapsed * 60,
+            "cpu_s_per_hour": (cpu - self.cpu0) / hours,
+            "rss_mb": rss,
+            "db_writes_per_hour": writes / hours,
+            "seconds": elapsed,
+        }
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a shorter run (under 4 minutes)")
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--plot", help="draw a PNG to this file")
+    parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
+    args = parser.parse_args()
+    quick = args.quick
+    results: dict[str, Any] = {"machine": machine()}
+    idle = IdleProbe()
+    seconds = 6.0 if quick else 30.0
+    results["heartbeat"] = {}
+    for mode in MODES:
+        results["heartbeat"][mode] = heartbeat(mode, seconds)
+        print(f"heartbeat {mode}: done", flush=True)
+    trials = 5 if quick else 20
+    results["takeover"] = {"kill9_s": takeover(trials, False), "handover_s": takeover(trials, True)}
+    print("takeover: done", flush=True)
+    span = 8.0 if quick else 60.0
+    results["start_lateness_ms"] = {"single": start_lateness(1, span), "four_processes": start_lateness(4, span)}
+    print("start lateness: done", flush=True)
+    results["idle"] = idle.result(60.0 if quick else 600.0)
+    if not args.no_peers:
+        from peers import run_peers
+
+        results["peers"] = run_peers(results, quick)
+    report(results)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    if args.plot:
+        from plot import draw
+
+        draw(results, args.plot)
+    return 0
+
+
+def report(results: dict[str, Any]) -> None:
+    m = results["machine"]
+    print(f"\nanarchon_lite benchmarks, {m['date']}, Python {m['python']}, SQLite {m['sqlite']}, {m['cores']} cores")
+    print(f"\n{'heartbeat lateness (lease 1 s)':<32}{'renewals':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'lost':>6}")
+    for mode, r in results["heartbeat"].items():
+        print(
+            f"{mode:<32}{r['renewals']:>9}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['max_ms']:>9.1f}{r['lost_leases']:>6}"
+        )
+    t = results["takeover"]
+    print(
+        f"\ntakeover after kill -9 (lease 30 s): p50 {t['kill9_s']['p50']:.3f} s, max {t['kill9_s']['max']:.3f} s, n {t['kill9_s']['n']}"
+    )
+    print(
+        f"hand-over after SIGTERM:             p50 {t['handover_s']['p50']:.3f} s, max {t['handover_s']['max']:.3f} s, n {t['handover_s']['n']}"
+    )
+    s = results["start_lateness_ms"]
+    for key, r in s.items():
+        print(
+            f"start lateness, {key:<15} p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms ({r['runs']} runs, {r['duplicates']} duplicates)"
+        )
+    i = results["idle"]
+    print(
+        f"idle (10 hourly jobs, {i['seconds']:.0f} s): {i['wakeups_per_min']:.1f} wake-ups/min, "
+        f"{i['cpu_s_per_hour']:.2f} CPU s/hour, {i['rss_mb']:.1f} MB RSS, {i['db_writes_per_hour']:.0f} db writes/hour"
+    )
+    for name, r in results.get("peers", {}).items():
+        if "error" in r:
+            print(f"peer {name}: not measured: {r['error']}")
+        else:
+            print(
+                f"peer {name:<14} runs {r['runs']:>4}, duplicates {r['duplicates']:>4}, lateness p50 "
+                f"{r['lateness_p50_ms']:.1f} ms p99 {r['lateness_p99_ms']:.1f} ms, idle {r['idle_cpu_s_per_hour']:.2f} CPU s/h"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
