@@ -1,0 +1,97 @@
+"""A peer scheduler process for the side-by-side benchmark (run inside the peer's own venv).
+
+``python peer_worker.py aps3|aps4 DB OUT SECONDS_IDLE``: a job every second, declared the same way by
+every process, as people deploy it under gunicorn; each run appends its scheduled second and
+lateness to OUT. With SECONDS_IDLE > 0 the process instead holds ten hourly jobs and nothing due.
+"""
+
+import asyncio
+import datetime as dt
+import json
+import os
+import signal
+import sys
+import time
+
+KIND, DB, OUT = sys.argv[1:4]
+IDLE = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+
+
+def record(scheduled: float) -> None:
+    line = json.dumps({"pid": os.getpid(), "slot": round(scheduled, 3), "late": time.time() - scheduled}) + "\n"
+    fd = os.open(OUT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def tick_aps3() -> None:
+    record(float(int(time.time())))  # the interval starts on a whole second: runs are due on them
+
+
+async def tick_aps4() -> None:
+    from apscheduler import current_job
+
+    record(current_job.get().scheduled_fire_time.timestamp())
+
+
+def hourly() -> None:
+    return None
+
+
+def aligned() -> dt.datetime:
+    return dt.datetime.fromtimestamp(int(time.time()) + 2, dt.timezone.utc)
+
+
+def run_aps3() -> None:
+    from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+    async def main() -> None:
+        scheduler = AsyncIOScheduler(jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{DB}")})
+        if IDLE:
+            for i in range(10):
+                scheduler.add_job(hourly, "interval", hours=1, id=f"hourly-{i}", replace_existing=True)
+        else:
+            scheduler.add_job(tick_aps3, "interval", seconds=1, start_date=aligned(), id="tick", replace_existing=True)
+        scheduler.start()
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        print("ready", flush=True)
+        await stop.wait()
+        scheduler.shutdown(wait=False)
+
+    asyncio.run(main())
+
+
+def run_aps4() -> None:
+    from apscheduler import AsyncScheduler, ConflictPolicy
+    from apscheduler.datastores.sqlalchemy import SQLAlchemyDataStore
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    async def main() -> None:
+        store = SQLAlchemyDataStore(f"sqlite+aiosqlite:///{DB}")
+        async with AsyncScheduler(store) as scheduler:
+            if IDLE:
+                for i in range(10):
+                    await scheduler.add_schedule(
+                        hourly, IntervalTrigger(hours=1), id=f"hourly-{i}", conflict_policy=ConflictPolicy.replace
+                    )
+            else:
+                await scheduler.add_schedule(
+                    tick_aps4, IntervalTrigger(seconds=1, start_time=aligned()), id="tick",
+                    conflict_policy=ConflictPolicy.replace,
+                )
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(scheduler.stop()))
+            print("ready", flush=True)
+            await scheduler.run_until_stopped()
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import peer_worker  # so that APScheduler 4 can refer to the job functions by module name
+
+    peer_worker.run_aps3() if KIND == "aps3" else peer_worker.run_aps4()

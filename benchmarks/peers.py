@@ -1,0 +1,121 @@
+"""The same small workloads on APScheduler 3 and 4, each in a virtual environment of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VENVS = os.path.join(HERE, ".venvs")
+PEERS = {
+    "apscheduler3": ("aps3", ["apscheduler>=3.11,<4", "sqlalchemy"]),
+    "apscheduler4": ("aps4", ["apscheduler==4.0.0a6", "sqlalchemy[asyncio]", "aiosqlite", "sniffio"]),
+}
+
+
+def venv_python(name: str, requirements: list[str]) -> str:
+    folder = os.path.join(VENVS, name)
+    python = os.path.join(folder, "bin", "python")
+    marker = os.path.join(folder, "installed.txt")
+    wanted = "\n".join(requirements)
+    if not (os.path.exists(marker) and open(marker).read() == wanted):
+        subprocess.run([sys.executable, "-m", "venv", "--clear", folder], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", *requirements], check=True, capture_output=True)
+        with open(marker, "w") as handle:
+            handle.write(wanted)
+    return python
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def start(python: str, kind: str, db: str, out: str, idle: float = 0.0) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [python, os.path.join(HERE, "peer_worker.py"), kind, db, out, str(idle)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"{kind} worker did not start (exit {proc.wait()})")
+    return proc
+
+
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def workload(python: str, kind: str, seconds: float, idle_seconds: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        db, out = os.path.join(folder, "jobs.db"), os.path.join(folder, "runs.jsonl")
+        procs = []
+        try:
+            for _ in range(4):
+                procs.append(start(python, kind, db, out))
+            begin = time.time()
+            time.sleep(seconds)
+        finally:
+            stop(procs)
+        runs = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
+        runs = [r for r in runs if begin + 2 <= r["slot"] <= begin + seconds - 1]
+        slots = [r["slot"] for r in runs]
+        late = [r["late"] * 1000 for r in runs]
+    with tempfile.TemporaryDirectory() as folder:
+        proc = start(python, kind, os.path.join(folder, "idle.db"), os.path.join(folder, "x"), idle=1)
+        try:
+            time.sleep(1.0)
+            cpu0 = cpu_seconds(proc.pid)
+            time.sleep(idle_seconds)
+            cpu = cpu_seconds(proc.pid) - cpu0
+        finally:
+            stop([proc])
+    return {
+        "runs": len(runs),
+        "occurrences": len(set(slots)),
+        "duplicates": len(slots) - len(set(slots)),
+        "lateness_p50_ms": percentile(late, 50),
+        "lateness_p99_ms": percentile(late, 99),
+        "idle_cpu_s_per_hour": cpu / idle_seconds * 3600,
+    }
+
+
+def run_peers(results: dict[str, Any], quick: bool) -> dict[str, Any]:
+    seconds, idle_seconds = 30.0, 20.0 if quick else 60.0
+    peers: dict[str, Any] = {}
+    ours = results["start_lateness_ms"]["four_processes"]
+    peers["anarchon_lite"] = {
+        "runs": ours["runs"],
+        "duplicates": ours["duplicates"],
+        "lateness_p50_ms": ours["p50"],
+        "lateness_p99_ms": ours["p99"],
+        "idle_cpu_s_per_hour": results["idle"]["cpu_s_per_hour"],
+    }
+    for name, (kind, requirements) in PEERS.items():
+        try:
+            python = venv_python(kind, requirements)
+            peers[name] = workload(python, kind, seconds, idle_seconds)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            peers[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"peer {name}: done", flush=True)
+    return peers

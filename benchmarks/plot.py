@@ -1,0 +1,40 @@
+"""Draw the benchmark figures: heartbeat lateness CDFs, and the peers side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def draw(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for mode, figures in results["heartbeat"].items():
+        samples = sorted(max(s, 1e-3) for s in figures.get("samples_ms", []))
+        if samples:
+            shares = [(i + 1) / len(samples) for i in range(len(samples))]
+            left.step(samples, shares, where="post", label=f"{mode} (p99 {figures['p99_ms']:.1f} ms)")
+    left.set_xscale("log")
+    left.set_xlabel("heartbeat lateness, ms (log scale)")
+    left.set_ylabel("share of renewals")
+    left.set_title("Lease renewals: how late against plan (lease 1 s)")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=8)
+
+    peers = {name: r for name, r in results.get("peers", {}).items() if "error" not in r}
+    names = list(peers)
+    positions = range(len(names))
+    right.bar([p - 0.2 for p in positions], [peers[n]["duplicates"] for n in names], 0.4, label="duplicate runs")
+    right.bar([p + 0.2 for p in positions], [peers[n]["lateness_p99_ms"] for n in names], 0.4, label="start lateness p99, ms")
+    right.set_xticks(list(positions))
+    right.set_xticklabels(names)
+    right.set_title("Four processes, one job every second")
+    right.legend(fontsize=8)
+    right.grid(True, axis="y", alpha=0.3)
+    m = results["machine"]
+    figure.suptitle(f"anarchon_lite benchmarks: {m['date']}, Python {m['python']}, SQLite {m['sqlite']}, {m['cores']} cores")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
