@@ -780,6 +780,7 @@ _SCHEMA = (
         owner_ns TEXT,
         boot_id TEXT,
         lease_until REAL,
+        lease REAL,
         cancel INTEGER NOT NULL DEFAULT 0,
         progress_done REAL,
         progress_total REAL,
@@ -836,12 +837,16 @@ _SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
 _SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
 _SQL_TAKE_RUN = (
     "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
-    "owner_ns = ?, boot_id = ?, lease_until = ?, started_at = ?, progress_done = NULL, progress_total = NULL "
+    "owner_ns = ?, boot_id = ?, lease_until = ?, lease = ?, started_at = ?, progress_done = NULL, progress_total = NULL "
     "WHERE job = ? AND slot = ?"
 )
 _SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
 _SQL_FENCE = "job = ? AND slot = ? AND attempt = ? AND owner = ? AND state = 'running'"
-_SQL_RENEW = f"UPDATE runs SET lease_until = ?, progress_done = ?, progress_total = ? WHERE {_SQL_FENCE}"
+_SQL_RENEW_ALL = (  # {rows}: one "(?, ?, ?)" per attempt
+    "UPDATE runs SET lease_until = ? + lease WHERE owner = ? AND state = 'running' "
+    "AND (job, slot, attempt) IN (VALUES {rows})"
+)
+_SQL_PROGRESS = f"UPDATE runs SET progress_done = ?, progress_total = ? WHERE {_SQL_FENCE}"
 _SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
 _SQL_RELEASE = (
     "UPDATE runs SET state = 'pending', not_before = ?, failures = failures + ?, owner = NULL, "
@@ -1118,7 +1123,7 @@ class _Store:
         run: bool,
         skip_if_busy: bool,
         owner: _Owner,
-        lease_until: float,
+        lease: tuple[float, float],
         now_ms: int,
     ) -> None | bool | _Claim:
         """Record the occurrences up to ``slot`` and claim ``slot`` for ``owner``.
@@ -1141,16 +1146,17 @@ class _Store:
                 self._skip(conn, job, slot, owner, now_ms)
                 return False
             conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
-            return self._take(conn, job, slot, owner, lease_until, now_ms)
+            return self._take(conn, job, slot, owner, lease, now_ms)
 
         return self._write(work)
 
     def _take(
-        self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, lease_until: float, now_ms: int
+        self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, lease: tuple[float, float], now_ms: int
     ) -> _Claim:
+        """Make ``owner`` the holder of a run; ``lease`` is (valid until, seconds) on the monotonic clock."""
         conn.execute(
             _SQL_TAKE_RUN,
-            (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id, lease_until, now_ms, job, slot),
+            (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id, *lease, now_ms, job, slot),
         )
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
         conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner.instance, now_ms, None, None))
@@ -1160,7 +1166,7 @@ class _Store:
         self,
         expected: _RunRow,
         owner: _Owner,
-        lease_until: float,
+        lease: tuple[float, float],
         now_ms: int,
         max_attempts: int,
         skip_if_busy: bool,
@@ -1190,7 +1196,7 @@ class _Store:
                 conn.execute(_SQL_DELETE_RUN, (job, slot))
                 self._skip(conn, job, slot, owner, now_ms)
                 return None
-            return self._take(conn, job, slot, owner, lease_until, now_ms)
+            return self._take(conn, job, slot, owner, lease, now_ms)
 
         return self._write(work)
 
@@ -1207,14 +1213,23 @@ class _Store:
 
     # -- an attempt's writes (fenced) -------------------------------------------------------------
 
-    def renew(
-        self, claim: _Claim, owner: str, lease_until: float, progress: tuple[float | None, float | None]
-    ) -> bool:
-        """Extend the lease (one statement); False if the attempt no longer holds the run."""
+    def renew_all(self, owner: str, now: float, claims: Sequence[_Claim]) -> list[_Claim]:
+        """Extend the leases of ``claims`` (to ``now`` plus each run's lease) in one statement;
+        return those that no longer hold their run."""
+        rows = ", ".join(["(?, ?, ?)"] * len(claims))
+        args = [now, owner, *(v for c in claims for v in (c.job, c.slot, c.attempt))]
+        if self._autocommit(_SQL_RENEW_ALL.format(rows=rows), args) == len(claims):
+            return []
+        return [c for c in claims if not self._read(_SQL_IS_HELD, (c.job, c.slot, c.attempt, owner))]
+
+    def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
+        self._autocommit(_SQL_PROGRESS, (*progress, claim.job, claim.slot, claim.attempt, owner))
+
+    def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
+        """One write statement, its own transaction; returns the number of rows it changed."""
         conn = self._connect()
         try:
-            args = (lease_until, progress[0], progress[1], claim.job, claim.slot, claim.attempt, owner)
-            return conn.execute(_SQL_RENEW, args).rowcount == 1
+            return int(conn.execute(sql, args).rowcount)
         except sqlite3.Error as exc:
             raise StoreError(self.path, _explain(exc)) from None
 
@@ -1474,69 +1489,109 @@ class _Lateness:
 
 
 class _Heartbeats(threading.Thread):
-    """Renews the leases of this process's running attempts from a thread of its own.
+    """Renews the leases of this process's running attempts, all in one statement per round.
 
-    It uses its own SQLite connection (plain ``sqlite3``, one statement per renewal), so renewals
-    keep arriving while a handler computes in a thread or blocks the event loop: they need the GIL
-    only between two switch intervals. A renewal that finds the run taken aborts the attempt's token
-    with ``LeaseLost``; one that fails (lock held too long, disk error) is retried until it lands.
+    A thread of its own, with its own SQLite connection (plain ``sqlite3``), keeps renewals
+    arriving while a handler computes in a thread or blocks the event loop. A timer on the event
+    loop renews too, a moment later, if the round is still not done: an event loop that yields often
+    (computing in chunks) takes the GIL straight back at every turn and can starve a waiting thread
+    for seconds. Renewing twice is harmless. A renewal that finds a run taken aborts that attempt's
+    token with ``LeaseLost``; one that fails (lock held too long, disk error) is retried soon.
     """
 
-    def __init__(self, path: str, clock: Clock, busy_timeout: float, name: str):
+    _LOOP_DELAY = 0.002  # the event loop renews only if the thread has not, this long after the plan
+
+    def __init__(self, path: str, clock: Clock, busy_timeout: float, name: str, loop: asyncio.AbstractEventLoop):
         super().__init__(name=name, daemon=True)
         self._store = _Store(path, busy_timeout=busy_timeout, synchronous="NORMAL")
+        self._loop_store = _Store(path, busy_timeout=0.05, synchronous="NORMAL")
+        self._loop = loop
+        self._loop_timer: asyncio.TimerHandle | None = None
         self._clock = clock
         self._cond = threading.Condition()
-        self._plans: list[tuple[float, int, _Attempt]] = []
+        self._attempts: dict[int, _Attempt] = {}
+        self._due: float | None = None
         self._stopped = False
         self.lateness = _Lateness()
 
     def add(self, attempt: _Attempt) -> None:
+        """Start renewing ``attempt`` (call on the event loop's thread)."""
         with self._cond:
-            heapq.heappush(self._plans, (self._clock.monotonic() + attempt.renew_every, id(attempt), attempt))
+            self._attempts[id(attempt)] = attempt
+            if self._due is None:
+                self._due = self._clock.monotonic() + attempt.renew_every
             self._cond.notify()
+        if self._loop_timer is None:
+            self._on_loop()
 
     def stop(self) -> None:
+        """Stop renewing (call on the event loop's thread)."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        if self._loop_timer is not None:
+            self._loop_timer.cancel()
+            self._loop_timer = None
+        self._loop_store.close()
+
+    def _round(self) -> tuple[float | None, list[_Attempt]]:
+        """(seconds until the next round or None, the attempts to renew now if it is due)."""
+        with self._cond:
+            for key in [k for k, a in self._attempts.items() if a.done]:
+                del self._attempts[key]
+            if self._stopped or not self._attempts or self._due is None:
+                self._due = None
+                return None, []
+            wait = self._due - self._clock.monotonic()
+            return wait, list(self._attempts.values()) if wait <= 0 else []
+
+    def _renew_due(self, store: _Store) -> float | None:
+        """Renew every attempt if the round is due; return the seconds until the next round."""
+        wait, batch = self._round()
+        if not batch:
+            return wait
+        planned = self._due
+        owner = batch[0].owner
+        try:
+            lost = store.renew_all(owner, self._clock.monotonic(), [a.claim for a in batch])
+            for attempt in batch:
+                if attempt.progress != attempt.reported:
+                    store.report_progress(attempt.claim, owner, attempt.progress)
+                    attempt.reported = attempt.progress
+        except Exception as exc:  # noqa: BLE001 - renewals must outlive any failure
+            _log.warning("lease renewal failed, retrying: %s", exc)
+            return 0.2
+        now = self._clock.monotonic()
+        period = min(a.renew_every for a in batch)
+        with self._cond:
+            if self._due == planned and planned is not None:  # the first to finish this round
+                for _ in batch:
+                    self.lateness.add(now - planned)
+                self._due = max(planned + period, now + period / 4)
+            for claim in lost:
+                attempt = next(a for a in batch if a.claim is claim)
+                if not attempt.done:  # (a finished attempt's run is simply gone)
+                    self.lateness.lost += 1
+                    attempt.token.abort(LeaseLost(f"{claim.job}: the run was taken over by another attempt"))
+                    attempt.done = True
+            return None if self._due is None else self._due - now
+
+    def _on_loop(self) -> None:
+        wait = self._renew_due(self._loop_store)
+        self._loop_timer = (
+            None if wait is None else self._loop.call_later(max(wait, 0.0) + self._LOOP_DELAY, self._on_loop)
+        )
 
     def run(self) -> None:
         try:
             while True:
+                wait = self._renew_due(self._store)
                 with self._cond:
-                    while not self._stopped:
-                        if self._plans and self._plans[0][2].done:
-                            heapq.heappop(self._plans)
-                            continue
-                        wait = self._plans[0][0] - self._clock.monotonic() if self._plans else None
-                        if wait is not None and wait <= 0:
-                            break
-                        self._cond.wait(wait)
                     if self._stopped:
                         return
-                    planned, key, attempt = heapq.heappop(self._plans)
-                next_plan = self._renew(planned, attempt)
-                with self._cond:
-                    if not attempt.done:
-                        heapq.heappush(self._plans, (next_plan, key, attempt))
+                    self._cond.wait(wait)
         finally:
             self._store.close()
-
-    def _renew(self, planned: float, attempt: _Attempt) -> float:
-        try:
-            held = self._store.renew(
-                attempt.claim, attempt.owner, self._clock.monotonic() + attempt.lease, attempt.progress
-            )
-        except Exception as exc:  # noqa: BLE001 - the heartbeat thread must outlive any failure
-            _log.warning("%s slot %s: lease renewal failed, retrying: %s", attempt.claim.job, attempt.claim.slot, exc)
-            return self._clock.monotonic() + min(attempt.renew_every, 0.2)
-        self.lateness.add(self._clock.monotonic() - planned)
-        if not held and not attempt.done:  # (a finished attempt's run is simply gone)
-            self.lateness.lost += 1
-            attempt.token.abort(LeaseLost(f"{attempt.claim.job}: the run was taken over by another attempt"))
-            attempt.done = True
-        return max(planned + attempt.renew_every, self._clock.monotonic() + attempt.renew_every / 4)
 
 
 class _Watchdog:
@@ -1742,6 +1797,7 @@ class _Attempt:
     lease: float
     renew_every: float
     progress: tuple[float | None, float | None] = (None, None)
+    reported: tuple[float | None, float | None] = (None, None)
     done: bool = False
 
 
@@ -2165,7 +2221,7 @@ class Scheduler:
         self._poked = False
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = _Heartbeats(
-            self.path, self._clock, self._busy_timeout, f"anarchon-heartbeat-{self.instance}"
+            self.path, self._clock, self._busy_timeout, f"anarchon-heartbeat-{self.instance}", loop
         )
         self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
         self._timers.start()
@@ -2282,7 +2338,7 @@ class Scheduler:
     async def _fire(self, job: _Job, row: _JobRow, now_ms: int) -> None:
         """Handle the due occurrences of ``job`` after its watermark: run, skip, catch up or miss."""
         plan = _plan_due(job, row.last_slot, now_ms)
-        lease_until = self._clock.monotonic() + job.options.lease
+        lease = (self._clock.monotonic() + job.options.lease, job.options.lease)
         claim = await self._call_store(
             lambda s: s.claim_due(
                 job.name,
@@ -2293,7 +2349,7 @@ class Scheduler:
                 plan.run,
                 job.options.overlap == "skip",
                 self._owner,
-                lease_until,
+                lease,
                 now_ms,
             )
         )
@@ -2326,10 +2382,10 @@ class Scheduler:
             if gone is None and left >= 0:
                 return min(self._poll, left + 0.001)  # watch the owner's pid, and its lease
             reason = gone or "lease expired"
-        lease_until = self._clock.monotonic() + job.options.lease
+        lease = (self._clock.monotonic() + job.options.lease, job.options.lease)
         claim = await self._call_store(
             lambda s: s.claim(
-                run, self._owner, lease_until, now_ms, job.options.max_attempts, job.options.overlap == "skip", reason
+                run, self._owner, lease, now_ms, job.options.max_attempts, job.options.overlap == "skip", reason
             )
         )
         if claim is not None:

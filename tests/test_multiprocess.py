@@ -42,6 +42,10 @@ class Processes:
                 if proc.poll() not in (None, 0, -9, -15):
                     raise AssertionError(f"worker {proc.pid} died with {proc.returncode}")
             time.sleep(0.02)
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGUSR1)  # each worker prints its threads' stacks
+        time.sleep(0.5)
         raise AssertionError(f"timed out waiting for {what}; events: {self.read()[-10:]}")
 
     def close(self):

@@ -103,7 +103,7 @@ def test_full_disk_damages_nothing(db):
 
 
 def claim_due(s, owner, expected=0, slot=1000):
-    return s.claim_due("job", expected, slot, slot + 1000, [], True, True, owner, time.monotonic() + 30, slot)
+    return s.claim_due("job", expected, slot, slot + 1000, [], True, True, owner, (time.monotonic() + 30, 30), slot)
 
 
 def test_exactly_one_claim_wins_across_connections(db):
@@ -132,9 +132,9 @@ def test_fencing_refuses_a_superseded_attempt(db):
     assert first.attempt == 1
     row = s.runs()[0]
     # b takes over (as if a's lease ran out)
-    second = s.claim(row, OTHER, time.monotonic() + 30, 2000, 10, True, "lease expired")
+    second = s.claim(row, OTHER, (time.monotonic() + 30, 30), 2000, 10, True, "lease expired")
     assert second.attempt == 2
-    assert s.renew(first, "a", time.monotonic() + 30, (None, None)) is False
+    assert s.renew_all("a", time.monotonic(), [first]) == [first]
     assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
     assert s.finish(first, "a", "succeeded", None, 3000) is False
     assert s.checkpoint_write("job", 1000, '"fresh"', 0, (2, "b")) is True
@@ -142,15 +142,16 @@ def test_fencing_refuses_a_superseded_attempt(db):
     assert s.checkpoint_get("job", 1000) == '"fresh"'
     assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
     # the row a saw is gone: its compare-and-set claim does nothing
-    assert s.claim(row, OWNER, time.monotonic() + 30, 4000, 10, True) is None
+    assert s.claim(row, OWNER, (time.monotonic() + 30, 30), 4000, 10, True) is None
 
 
 def test_a_renewed_lease_cannot_be_taken_over(db):
     s = store(db)
     claim = claim_due(s, OWNER)
     seen = s.runs()[0]
-    assert s.renew(claim, "a", time.monotonic() + 60, (3, 10)) is True
-    assert s.claim(seen, OTHER, time.monotonic() + 30, 2000, 10, True, "lease expired") is None
+    assert s.renew_all("a", time.monotonic() + 30, [claim]) == []
+    s.report_progress(claim, "a", (3, 10))
+    assert s.claim(seen, OTHER, (time.monotonic() + 30, 30), 2000, 10, True, "lease expired") is None
     assert s.runs()[0].progress_done == 3
 
 

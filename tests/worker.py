@@ -7,7 +7,9 @@ Modes: ``every`` (a 500 ms job), ``export`` (the checkpointed recipe, triggered 
 """
 
 import asyncio
+import faulthandler
 import json
+import signal
 import os
 import sys
 import time
@@ -16,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from anarchon_lite import Aborted, LeaseLost, Scheduler
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests ask a stuck worker where it is
 DB, EVENTS, MODE = sys.argv[1:4]
 LEASE = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
 ME = f"{MODE}-{os.getpid()}"
