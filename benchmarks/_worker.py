@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from anarchon_lite import Aborted, Scheduler  # noqa: E402
+from anarchon_lite import Aborted, Scheduler
 
 SCENARIO, DB, OUT = sys.argv[1:4]
 ARGS = sys.argv[4:]
@@ -37,22 +37,28 @@ def compute(seconds: float) -> int:
     return n
 
 
+async def started(ctx) -> None:
+    emit("start", job=ctx.job, slot=ctx.slot, attempt=ctx.attempt, late=time.time() - ctx.slot / 1000)
+
+
+async def wait_out(ctx, duration: float) -> None:
+    """Hold the run (its lease renewing) for ``duration``, or until the scheduler stops."""
+    try:
+        await ctx.signal.sleep(duration)
+    except Aborted:
+        pass
+
+
 def declare(scheduler: Scheduler) -> None:
     duration = float(ARGS[0]) if ARGS else 10.0
     mode = SCENARIO
 
-    async def started(ctx) -> None:
-        emit("start", job=ctx.job, slot=ctx.slot, attempt=ctx.attempt, late=time.time() - ctx.slot / 1000)
-
-    if mode == "idle":
+    if mode in ("idle", "contended"):  # contended: the same, in four processes at once
 
         @scheduler.every("hb", "24h", lease="1s", overlap="allow")
         async def idle(ctx):
             await started(ctx)
-            try:
-                await ctx.signal.sleep(duration)
-            except Aborted:
-                pass
+            await wait_out(ctx, duration)
 
     elif mode == "chunks":
 
@@ -91,16 +97,6 @@ def declare(scheduler: Scheduler) -> None:
             await started(ctx)
             compute(duration)  # never yields: the event loop is blocked the whole time
 
-    elif mode == "contended":
-
-        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
-        async def contended(ctx):
-            await started(ctx)
-            try:
-                await ctx.signal.sleep(duration)
-            except Aborted:
-                pass
-
     elif mode == "export":  # takeover and hand-over: a long job with a 30 s lease
 
         @scheduler.every("export", "24h", lease="30s")
@@ -126,10 +122,7 @@ async def main() -> None:
 
     @scheduler.every("companion", "24h", lease="1s", overlap="allow")
     async def companion(ctx):  # more leases renewing under the same load, for more samples
-        try:
-            await ctx.signal.sleep(duration)
-        except Aborted:
-            pass
+        await wait_out(ctx, duration)
 
     runner = asyncio.ensure_future(scheduler.run())
     while scheduler._ready is None or not scheduler._ready.is_set():

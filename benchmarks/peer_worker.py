@@ -80,10 +80,14 @@ def run_aps4() -> None:
                     )
             else:
                 await scheduler.add_schedule(
-                    tick_aps4, IntervalTrigger(seconds=1, start_time=aligned()), id="tick",
+                    tick_aps4,
+                    IntervalTrigger(seconds=1, start_time=aligned()),
+                    id="tick",
                     conflict_policy=ConflictPolicy.replace,
                 )
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(scheduler.stop()))
+            asyncio.get_running_loop().add_signal_handler(
+                signal.SIGTERM, lambda: asyncio.ensure_future(scheduler.stop())
+            )
             print("ready", flush=True)
             await scheduler.run_until_stopped()
 

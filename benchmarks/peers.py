@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,7 +25,7 @@ def venv_python(name: str, requirements: list[str]) -> str:
     python = os.path.join(folder, "bin", "python")
     marker = os.path.join(folder, "installed.txt")
     wanted = "\n".join(requirements)
-    if not (os.path.exists(marker) and open(marker).read() == wanted):
+    if not (os.path.exists(marker) and Path(marker).read_text() == wanted):
         subprocess.run([sys.executable, "-m", "venv", "--clear", folder], check=True)
         subprocess.run([python, "-m", "pip", "install", "-q", *requirements], check=True, capture_output=True)
         with open(marker, "w") as handle:
@@ -40,7 +41,9 @@ def percentile(values: list[float], q: float) -> float:
 def start(python: str, kind: str, db: str, out: str, idle: float = 0.0) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [python, os.path.join(HERE, "peer_worker.py"), kind, db, out, str(idle)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     assert proc.stdout is not None
     if proc.stdout.readline().strip() != "ready":
@@ -77,7 +80,7 @@ def workload(python: str, kind: str, seconds: float, idle_seconds: float) -> dic
             time.sleep(seconds)
         finally:
             stop(procs)
-        runs = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
+        runs = [json.loads(line) for line in Path(out).read_text().splitlines()] if os.path.exists(out) else []
         runs = [r for r in runs if begin + 2 <= r["slot"] <= begin + seconds - 1]
         slots = [r["slot"] for r in runs]
         late = [r["late"] * 1000 for r in runs]

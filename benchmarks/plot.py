@@ -28,13 +28,17 @@ def draw(results: dict[str, Any], path: str) -> None:
     names = list(peers)
     positions = range(len(names))
     right.bar([p - 0.2 for p in positions], [peers[n]["duplicates"] for n in names], 0.4, label="duplicate runs")
-    right.bar([p + 0.2 for p in positions], [peers[n]["lateness_p99_ms"] for n in names], 0.4, label="start lateness p99, ms")
+    right.bar(
+        [p + 0.2 for p in positions], [peers[n]["lateness_p99_ms"] for n in names], 0.4, label="start lateness p99, ms"
+    )
     right.set_xticks(list(positions))
     right.set_xticklabels(names)
     right.set_title("Four processes, one job every second")
     right.legend(fontsize=8)
     right.grid(True, axis="y", alpha=0.3)
     m = results["machine"]
-    figure.suptitle(f"anarchon_lite benchmarks: {m['date']}, Python {m['python']}, SQLite {m['sqlite']}, {m['cores']} cores")
+    figure.suptitle(
+        f"anarchon_lite benchmarks: {m['date']}, Python {m['python']}, SQLite {m['sqlite']}, {m['cores']} cores"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)

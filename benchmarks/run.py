@@ -26,7 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from anarchon_lite import Scheduler  # noqa: E402
+from typing_extensions import Self
+
+from anarchon_lite import Scheduler
 
 WORKER = os.path.join(HERE, "_worker.py")
 MODES = ["idle", "chunks", "thread", "process", "blocking", "busy_cores", "contended"]
@@ -88,7 +90,7 @@ class Fleet:
                 proc.kill()
                 proc.wait()
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

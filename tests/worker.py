@@ -9,8 +9,8 @@ Modes: ``every`` (a 500 ms job), ``export`` (the checkpointed recipe, triggered 
 import asyncio
 import faulthandler
 import json
-import signal
 import os
+import signal
 import sys
 import time
 
