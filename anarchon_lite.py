@@ -1020,14 +1020,29 @@ class _Store:
                     self.path,
                     f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})",
                 )
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StoreError(self.path, f"cannot switch to WAL mode (got {mode})")
+            self._switch_to_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             if version < SCHEMA_VERSION:
                 self._create_schema(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreError(self.path, _explain(exc)) from None
+
+    def _switch_to_wal(self, conn: sqlite3.Connection) -> None:
+        """Put the file in WAL mode. While another process is switching a new file, the switch
+        fails at once (no busy handler for it), so it is retried until the busy timeout."""
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            try:
+                mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                mode = "busy"
+            if mode == "wal":
+                return
+            if time.monotonic() > deadline:
+                raise StoreError(self.path, f"cannot switch to WAL mode (got {mode})")
+            time.sleep(0.01)
 
     def _create_schema(self, conn: sqlite3.Connection) -> None:
         conn.execute("BEGIN IMMEDIATE")
@@ -2057,15 +2072,13 @@ class Scheduler:
         return register if handler is None else register(handler)
 
     def upcoming(self, name: str, count: int = 5, after: _dt.datetime | None = None) -> list[_dt.datetime]:
-        """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now),
-        as aware UTC datetimes. Pure schedule math: no database, no clock but the default."""
+        """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now; a
+        naive datetime counts as UTC), as aware UTC datetimes. Pure schedule math: no database."""
         job = self._job(name)
         if after is None:
             cursor = _ms(self._clock.time())
-        else:
-            if after.tzinfo is None:
-                raise ConfigError("'after' must be a timezone-aware datetime", job=name, option="after")
-            cursor = _ms_from_dt(after)
+        else:  # a naive datetime is taken as UTC, like every datetime this module returns
+            cursor = _ms_from_dt(after if after.tzinfo else after.replace(tzinfo=_UTC))
         found = []
         for _ in range(count):
             following = job.schedule.next_after(cursor)

@@ -325,3 +325,11 @@ def test_every_is_epoch_aligned(interval_ms, offset_ms, after_ms):
 def test_cron_strictly_increasing(after_s, tz, expr):
     got = upcoming_cron(expr, tz, dt.datetime.fromtimestamp(1_600_000_000 + after_s / 10, UTC), 8)
     assert len(got) == 8 and all(a < b for a, b in zip(got, got[1:]))
+
+
+def test_upcoming_takes_naive_after_as_utc():
+    s = Scheduler(":memory:")
+    s.every("e", "1h", handler)
+    naive = dt.datetime(2026, 5, 1, 10, 30)
+    assert s.upcoming("e", 2, naive) == s.upcoming("e", 2, naive.replace(tzinfo=UTC))
+    assert s.upcoming("e", 1, naive)[0].tzinfo is not None

@@ -212,3 +212,19 @@ def test_opening_more_connections_keeps_this_process_locks(db):
     first.trigger("job", 123)
     fresh = sqlite3.connect(db)
     assert fresh.execute("SELECT slot FROM runs").fetchall() == [(123,)]
+
+
+def test_many_processes_creating_one_file_at_once(tmp_path):
+    """Opening a new file from several processes at once: every one ends up in WAL mode with the
+    schema, none fails (switching to WAL does not wait on the busy handler by itself)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for round_ in range(5):
+        path = str(tmp_path / f"new-{round_}.db")
+        code = (
+            f"import sys; sys.path.insert(0, {root!r}); import anarchon_lite as al; al._Store({path!r}).data_version()"
+        )
+        procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(6)]
+        assert [p.wait(timeout=60) for p in procs] == [0] * 6

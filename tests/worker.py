@@ -89,6 +89,8 @@ async def main():
     runner = asyncio.ensure_future(scheduler.run())
     await asyncio.sleep(0)
     while scheduler._ready is None or not scheduler._ready.is_set():
+        if runner.done():
+            runner.result()  # the scheduler failed to start: show why
         await asyncio.sleep(0.01)
     emit("ready", instance=ME)
     await runner
