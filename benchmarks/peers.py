@@ -94,6 +94,7 @@ def workload(python: str, kind: str, seconds: float, idle_seconds: float) -> dic
         finally:
             stop([proc])
     return {
+        "idle_cpu_resolution_s_per_hour": 3600 / os.sysconf("SC_CLK_TCK") / idle_seconds,
         "runs": len(runs),
         "occurrences": len(set(slots)),
         "duplicates": len(slots) - len(set(slots)),
@@ -104,7 +105,7 @@ def workload(python: str, kind: str, seconds: float, idle_seconds: float) -> dic
 
 
 def run_peers(results: dict[str, Any], quick: bool) -> dict[str, Any]:
-    seconds, idle_seconds = 30.0, 20.0 if quick else 60.0
+    seconds, idle_seconds = (20.0, 15.0) if quick else (60.0, 120.0)
     peers: dict[str, Any] = {}
     ours = results["start_lateness_ms"]["four_processes"]
     peers["anarchon_lite"] = {
