@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import concurrent.futures
 import contextvars
 import dataclasses
 import datetime as _dt
@@ -60,7 +61,6 @@ from typing import (
 
 from dateutil import rrule as _rrule
 from dateutil.relativedelta import relativedelta
-from typing_extensions import Self
 
 __version__ = "0.1.0"
 
@@ -2186,7 +2186,7 @@ class Scheduler:
         self._signal_tasks.add(task)
         task.add_done_callback(self._signal_tasks.discard)
 
-    async def __aenter__(self) -> Self:
+    async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
         """Start the scheduler in the background; returns once it has looked at the file once."""
         self._ready = ready = asyncio.Event()
         self._main = asyncio.get_running_loop().create_task(self._serve())
@@ -2553,8 +2553,6 @@ class _StoreThread:
     """The thread on which the scheduler's store connection lives; calls are queued to it."""
 
     def __init__(self, store: _Store):
-        import concurrent.futures
-
         self.store = store
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="anarchon-store")
 
