@@ -821,7 +821,11 @@ _SCHEMA = (
     )""",
 )
 
-_SQL_REGISTER = "INSERT INTO jobs (name, schedule, last_slot) VALUES (?, ?, ?) ON CONFLICT (name) DO UPDATE SET schedule = excluded.schedule"
+_SQL_REGISTER = (
+    "INSERT INTO jobs (name, schedule, last_slot, next_slot) VALUES (?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET "
+    "next_slot = CASE WHEN schedule != excluded.schedule OR next_slot IS NULL THEN excluded.next_slot ELSE next_slot END, "
+    "schedule = excluded.schedule"
+)
 _SQL_JOB = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs WHERE name = ?"
 _SQL_JOBS = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs ORDER BY name"
 _SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
@@ -1095,9 +1099,10 @@ class _Store:
 
     # -- jobs -------------------------------------------------------------------------------------
 
-    def register(self, jobs: Sequence[tuple[str, str, int]]) -> None:
-        """Add (name, schedule text, watermark) for jobs not yet in the file; update the text of the
-        others. A new job's watermark is normally now: nothing before it counts as missed."""
+    def register(self, jobs: Sequence[tuple[str, str, int, int | None]]) -> None:
+        """Add (name, schedule text, watermark, next occurrence) for jobs not yet in the file; update
+        the others' text (and next occurrence, if the schedule changed). A new job's watermark is
+        now: nothing before it counts as missed."""
 
         def work(conn: sqlite3.Connection) -> None:
             conn.executemany(_SQL_REGISTER, jobs)
@@ -2105,7 +2110,9 @@ class Scheduler:
         thread = self._store_thread
         if not self._registered and self._jobs:
             now = _ms(self._clock.time())
-            jobs = [(job.name, job.schedule.description, now) for job in self._jobs.values()]
+            jobs = [
+                (job.name, job.schedule.description, now, job.schedule.next_after(now)) for job in self._jobs.values()
+            ]
             await thread.call(lambda s: s.register(jobs))
             self._registered = True
         return await thread.call(work)

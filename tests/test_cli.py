@@ -158,6 +158,8 @@ def test_status_shows_progress_and_control_from_another_process(tmp_path, daemon
     daemons.procs.append(proc)
     wait_until(lambda: os.path.exists(db) and "work" in cli(db, "status").stdout, what="registered")
     cli(db, "trigger", "work")
+    ticker = {j["name"]: j for j in json.loads(cli(db, "status", "--json").stdout)}["ticker"]
+    assert ticker["next_at"] is not None  # known to a process that does not declare the job
     status = wait_until(lambda: "30%" in (out := cli(db, "status").stdout) and out, what="progress bar")
     assert "attempt 1 running" in status
     runs = {j["name"]: j for j in json.loads(cli(db, "status", "--json").stdout)}["work"]["runs"]
