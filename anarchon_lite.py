@@ -2,7 +2,7 @@
 #
 # Copyright (c) 2026 the anarchon_lite authors. MIT licence: use, copy, modify and distribute this
 # file freely, provided this header stays with it.
-"""One file, two dependencies (python-dateutil; aiosqlite is not needed, see the README).
+"""One file, one dependency (python-dateutil); aiosqlite is not needed (see the README).
 
 Copy this file into your project and keep this header. Several processes on one host share one
 SQLite file in WAL mode; they declare the same jobs, and every scheduled occurrence runs exactly once
