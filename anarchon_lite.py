@@ -1554,23 +1554,23 @@ class _Heartbeats(threading.Thread):
             self._loop_timer = None
         self._loop_store.close()
 
-    def _round(self) -> tuple[float | None, list[_Attempt]]:
-        """(seconds until the next round or None, the attempts to renew now if it is due)."""
+    def _round(self) -> tuple[float | None, float, list[_Attempt]]:
+        """(seconds until the next round or None, its planned time, the attempts to renew now if
+        it is due), read together under the lock."""
         with self._cond:
             for key in [k for k, a in self._attempts.items() if a.done]:
                 del self._attempts[key]
             if self._stopped or not self._attempts or self._due is None:
                 self._due = None
-                return None, []
+                return None, 0.0, []
             wait = self._due - self._clock.monotonic()
-            return wait, list(self._attempts.values()) if wait <= 0 else []
+            return wait, self._due, list(self._attempts.values()) if wait <= 0 else []
 
     def _renew_due(self, store: _Store) -> float | None:
         """Renew every attempt if the round is due; return the seconds until the next round."""
-        wait, batch = self._round()
+        wait, planned, batch = self._round()
         if not batch:
             return wait
-        planned = self._due
         owner = batch[0].owner
         try:
             lost = store.renew_all(owner, self._clock.monotonic(), [a.claim for a in batch])
@@ -1584,7 +1584,7 @@ class _Heartbeats(threading.Thread):
         now = self._clock.monotonic()
         period = min(a.renew_every for a in batch)
         with self._cond:
-            if self._due == planned and planned is not None:  # the first to finish this round
+            if self._due == planned:  # the first to finish this round
                 for _ in batch:
                     self.lateness.add(now - planned)
                 self._due = max(planned + period, now + period / 4)
