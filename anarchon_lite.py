@@ -755,7 +755,7 @@ def _rule_text(rule: _rrule.rrule) -> str:
 # The SQLite store ############################################################
 ###############################################################################
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _SCHEMA = (
     # One row per declared job: its pause flag and its watermark (every occurrence up to
     # ``last_slot`` has been handled: run, skipped or missed).
@@ -812,14 +812,21 @@ _SCHEMA = (
         boot_id TEXT,
         started_at INTEGER NOT NULL
     )""",
+    # One row per saved checkpoint; ``attempt`` is the attempt that saved it (NULL from outside a run).
     """CREATE TABLE IF NOT EXISTS checkpoints (
         job TEXT NOT NULL,
         slot INTEGER NOT NULL,
         value TEXT NOT NULL,
         updated_at INTEGER NOT NULL,
+        attempt INTEGER,
         PRIMARY KEY (job, slot)
     )""",
 )
+# From each earlier version to the next, in place and in one transaction with the version change.
+# Every step only adds, so a process of the previous version still running on the file keeps working.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE checkpoints ADD COLUMN attempt INTEGER",),
+}
 
 _SQL_REGISTER = (
     "INSERT INTO jobs (name, schedule, last_slot, next_slot) VALUES (?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET "
@@ -890,8 +897,9 @@ _SQL_JOIN = (
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
 _SQL_CHECKPOINT_GET = "SELECT value FROM checkpoints WHERE job = ? AND slot = ?"
 _SQL_CHECKPOINT_SET = (
-    "INSERT INTO checkpoints (job, slot, value, updated_at) VALUES (?, ?, ?, ?) "
-    "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at"
+    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at, "
+    "attempt = excluded.attempt"
 )
 _SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
 
@@ -985,6 +993,7 @@ class _Store:
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
         self._conn: sqlite3.Connection | None = None
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -1010,11 +1019,24 @@ class _Store:
             raise StoreError(self.path, f"cannot open the database: {exc}") from None
         try:
             self._prepare(conn)
+            status = os.stat(self.path)
         except BaseException:
             conn.close()
             raise
-        self._conn = conn
+        self._conn, self._identity = conn, (status.st_dev, status.st_ino)
         return conn
+
+    def file_changed(self) -> str | None:
+        """``"deleted"`` or ``"replaced"`` if the path no longer names the file this store opened."""
+        if self._conn is None or self._identity is None:
+            return None
+        try:
+            status = os.stat(self.path)
+        except FileNotFoundError:
+            return "deleted"
+        except OSError:
+            return None
+        return None if (status.st_dev, status.st_ino) == self._identity else "replaced"
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         try:
@@ -1049,12 +1071,19 @@ class _Store:
             time.sleep(0.01)
 
     def _create_schema(self, conn: sqlite3.Connection) -> None:
+        """Create the schema in a new file, or migrate an older one in place (one transaction)."""
         conn.execute("BEGIN IMMEDIATE")
         try:
-            if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0:
                 for statement in _SCHEMA:
                     conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            elif version < SCHEMA_VERSION:
+                _log.info("%s: migrating the schema from version %s to %s", self.path, version, SCHEMA_VERSION)
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    for statement in _MIGRATIONS[step]:
+                        conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -1357,7 +1386,7 @@ class _Store:
             if value is None:
                 conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
             else:
-                conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms))
+                conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms, None if fence is None else fence[0]))
             return True
 
         return self._write(work)
@@ -1532,6 +1561,7 @@ class _Heartbeats(threading.Thread):
         self._attempts: dict[int, _Attempt] = {}
         self._due: float | None = None
         self._stopped = False
+        self._reopen = False
         self.lateness = _Lateness()
 
     def add(self, attempt: _Attempt) -> None:
@@ -1552,6 +1582,14 @@ class _Heartbeats(threading.Thread):
         if self._loop_timer is not None:
             self._loop_timer.cancel()
             self._loop_timer = None
+        self._loop_store.close()
+
+    def reopen(self) -> None:
+        """Close the connections to the file; the next renewal opens the path again (call on the
+        event loop's thread)."""
+        with self._cond:
+            self._reopen = True
+            self._cond.notify()
         self._loop_store.close()
 
     def _round(self) -> tuple[float | None, float, list[_Attempt]]:
@@ -1605,11 +1643,16 @@ class _Heartbeats(threading.Thread):
     def run(self) -> None:
         try:
             while True:
+                with self._cond:
+                    if self._reopen:
+                        self._store.close()
+                        self._reopen = False
                 wait = self._renew_due(self._store)
                 with self._cond:
                     if self._stopped:
                         return
-                    self._cond.wait(wait)
+                    if not self._reopen:
+                        self._cond.wait(wait)
         finally:
             self._store.close()
 
@@ -1694,7 +1737,8 @@ class _FileWatch:
     polls the file every ``poll`` seconds.
     """
 
-    _IN_MODIFY, _IN_MOVED_TO, _IN_CREATE = 0x2, 0x80, 0x100
+    # Writes, and the file being replaced or deleted (the scheduler then reopens the path).
+    _IN_MODIFY, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x2, 0x40, 0x80, 0x100, 0x200
 
     def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, prefix: bytes, on_change: Callable[[], None]):
         self._fd, self._loop, self._prefix, self._on_change = fd, loop, prefix, on_change
@@ -1711,7 +1755,7 @@ class _FileWatch:
             if fd < 0:
                 return None
             directory = os.path.dirname(os.path.abspath(path)).encode()
-            mask = cls._IN_MODIFY | cls._IN_MOVED_TO | cls._IN_CREATE
+            mask = cls._IN_MODIFY | cls._IN_MOVED_FROM | cls._IN_MOVED_TO | cls._IN_CREATE | cls._IN_DELETE
             if libc.inotify_add_watch(fd, directory, mask) < 0:
                 os.close(fd)
                 return None
@@ -1993,7 +2037,6 @@ class Scheduler:
         self._retention = retention
         self._blocked_warning = blocked_warning
         self._jobs: dict[str, _Job] = {}
-        self._store: _Store | None = None
         self._store_thread: _StoreThread | None = None
         self._registered = False
         self._owner = _this_owner(self.instance)
@@ -2011,6 +2054,7 @@ class Scheduler:
         self._watchdog: _Watchdog | None = None
         self._clock_warned = False
         self._dirty = True
+        self._rejoin = False
         self._ready: asyncio.Event | None = None
         self._idle = self._poll
         self.checkpoints = CheckpointStore(self)
@@ -2229,11 +2273,18 @@ class Scheduler:
         if self._wake is not None:
             _resolve(self._wake)
 
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _join(self) -> bool:
+        """Record this process among the file's running instances; True if it is the only one."""
         now_ms = _ms(self._clock.time())
         me = self._owner
         alone = await self._call_store(lambda s: s.join(me, now_ms, lambda o: _owner_gone(o, me) is not None))
+        self._rejoin = False
+        return alone
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        now_ms = _ms(self._clock.time())
+        alone = await self._join()
         on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
         if alone and on_start:  # the first process of a group runs the jobs declared to run on start
             await self._call_store(lambda s: [s.trigger(name, now_ms) for name in on_start])
@@ -2308,6 +2359,11 @@ class Scheduler:
             version = state.watch.data_version()
         except StoreError:
             version = -2
+        change = state.watch.file_changed()
+        if change is not None:
+            await self._reopen(state, change)
+        if self._rejoin:
+            await self._join()
         # inotify reports a WAL write a moment before its commit is visible: after a write with no
         # visible change, look again after 5, 25, 125 and 625 ms.
         written, self._written = self._written, False
@@ -2354,6 +2410,28 @@ class Scheduler:
                 if again == 0.0:
                     state.version = -1
         state.wait = wait
+
+    async def _reopen(self, state: _LoopState, change: str) -> None:
+        """The database file was deleted or replaced under this process: what it held (runs, their
+        leases, checkpoints) is gone from view. Abort the attempts that ran on it, close every
+        connection to it, and carry on with the file now at the path (created anew if none)."""
+        _log.error(
+            "the database file %s was %s while in use: aborting this process's running attempts and reopening it",
+            self.path,
+            change,
+        )
+        for attempt in list(self._attempts.values()):
+            attempt.token.abort(LeaseLost(f"{attempt.claim.job}: the database file {self.path} was {change}"))
+        state.watch.close()
+        if self._heartbeats is not None:
+            self._heartbeats.reopen()
+        if self._store_thread is not None:
+            await self._store_thread.call(lambda s: s.close())
+        self._registered = False
+        self._rejoin = True
+        self._dirty = True
+        state.version = -1
+        state.newest = 0
 
     async def _fire(self, job: _Job, row: _JobRow, now_ms: int) -> None:
         """Handle the due occurrences of ``job`` after its watermark: run, skip, catch up or miss."""
@@ -2615,6 +2693,8 @@ _ABORT_STATUS = {Shutdown: "interrupted", Cancelled: "cancelled", RunTimeout: "t
 def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Outcome:
     """Judge how an attempt ended, from its handler's result and its token's reason."""
     reason = token.reason
+    if work.done() and not work.cancelled():
+        work.exception()  # retrieved, whatever the verdict (else asyncio logs it as lost)
     if isinstance(reason, LeaseLost):
         return _Outcome(None)
     if isinstance(reason, RunTimeout):

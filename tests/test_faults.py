@@ -1,0 +1,366 @@
+"""Store faults under a running scheduler: a lock held past the busy timeout, a full disk, a
+read-only location, the file deleted or replaced, and a file of the previous schema version.
+
+Each fault gives an error that names the file, damages nothing already stored, and the scheduler
+carries on once the fault goes away.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+import subprocess
+import threading
+import time
+
+import pytest
+from conftest import run, wait_for
+
+import anarchon_lite as al
+from anarchon_lite import LeaseLost, Scheduler, StoreError
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def make(db, **kw):
+    kw.setdefault("poll", 0.02)
+    return Scheduler(db, **kw)
+
+
+async def records(s, job):
+    return [(r.slot, r.attempt, r.status) for r in reversed(await s.history(job, limit=1000))]
+
+
+async def finished(s, job):
+    """The records of ``job``, once there is one and none is still running."""
+    found = await records(s, job)
+    return found if found and all(status != "running" for _, _, status in found) else None
+
+
+def integrity(path):
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        conn.close()
+
+
+class LockHolder:
+    """Another connection that takes the write lock and holds it until released."""
+
+    def __init__(self, path):
+        self._path = path
+        self._taken, self._release = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._hold, daemon=True)
+
+    def _hold(self):
+        conn = sqlite3.connect(self._path, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            self._taken.set()
+            self._release.wait(30)
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
+
+    def __enter__(self):
+        self._thread.start()
+        assert self._taken.wait(10), "could not take the write lock"
+        return self
+
+    def __exit__(self, *exc_info):
+        self._release.set()
+        self._thread.join(10)
+
+
+def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog):
+    """Writes wait 0.3 s for the lock, which another connection holds for 1.5 s, inside the run's
+    3 s lease: renewals fail and are retried, the run keeps its lease and succeeds at attempt 1, and
+    a second scheduler does not take it over."""
+
+    async def main():
+        a, b = make(db, instance="a", busy_timeout=0.3), make(db, instance="b", busy_timeout=0.3)
+        done = asyncio.Event()
+        seen = []
+
+        async def work(ctx):
+            seen.append((ctx.instance, ctx.attempt))
+            await ctx.signal.run(done.wait())
+
+        a.every("work", "24h", work, lease="3s")
+        b.every("work", "24h", work, lease="3s")
+        async with a:
+            await a.trigger("work")
+            await wait_for(lambda: len(seen) == 1, message="the run to start")
+            async with b:
+                hold = asyncio.get_running_loop().run_in_executor(None, hold_lock, db, 1.5)
+                await hold
+                await asyncio.sleep(0.5)  # renewals resume; b has looked at the run meanwhile
+                done.set()
+                await wait_for(lambda: finished(a, "work"), message="the record")
+                assert [(at, st) for _, at, st in await records(a, "work")] == [(1, "succeeded")]
+        assert seen == [("a", 1)]
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    renewals = [r.getMessage() for r in caplog.records if "lease renewal failed" in r.getMessage()]
+    assert renewals and all(db in m and "locked" in m for m in renewals), renewals
+    assert integrity(db) == "ok"
+
+
+def hold_lock(path, seconds):
+    with LockHolder(path):
+        time.sleep(seconds)  # the fault lasts this long; nothing waits on it
+
+
+class PageCap:
+    """A full disk: every connection the store opens is capped at the file's size when ``fill`` is
+    called (``PRAGMA max_page_count``), until ``free``."""
+
+    def __init__(self, monkeypatch):
+        self.cap = None
+        self.conns = []
+        prepare = al._Store._prepare
+
+        def capped(store, conn):
+            prepare(store, conn)
+            self.conns.append(conn)
+            if self.cap is not None:
+                conn.execute(f"PRAGMA max_page_count = {self.cap}")
+
+        monkeypatch.setattr(al._Store, "_prepare", capped)
+
+    def _apply(self, cap):
+        self.cap = cap
+        for conn in self.conns:
+            with contextlib.suppress(sqlite3.ProgrammingError):  # closed since
+                conn.execute(f"PRAGMA max_page_count = {cap}")
+
+    def fill(self):
+        live = next(c for c in reversed(self.conns) if _open(c))
+        self._apply(live.execute("PRAGMA page_count").fetchone()[0])
+
+    def free(self):
+        self._apply(1_073_741_823)
+
+
+def _open(conn):
+    try:
+        conn.execute("SELECT 1")
+        return True
+    except sqlite3.ProgrammingError:
+        return False
+
+
+def test_full_disk_while_running(db, monkeypatch):
+    """A handler's checkpoint write fails with an error naming the file while the disk is full;
+    earlier records are intact, and once space returns the same attempt saves and succeeds."""
+    disk = PageCap(monkeypatch)
+    big = "x" * 200_000  # needs pages the capped file does not have
+
+    async def main():
+        s = make(db)
+        go, errors = asyncio.Event(), []
+
+        @s.every("first", "24h")
+        async def first(ctx):
+            await ctx.checkpoint.set({"kept": True})
+
+        @s.every("export", "24h", lease="2s")
+        async def export(ctx):
+            await go.wait()
+            while True:
+                try:
+                    await ctx.checkpoint.set(big)
+                    return
+                except StoreError as exc:
+                    errors.append(exc)
+                    await ctx.signal.sleep(0.05)
+
+        async with s:
+            await s.trigger("first")
+            await wait_for(lambda: finished(s, "first"), message="the first record")
+            slot = await s.trigger("export")
+            await wait_for(lambda: s._attempts, message="the export to start")
+            disk.fill()
+            go.set()
+            await wait_for(lambda: len(errors) >= 3, message="failed writes")
+            disk.free()
+            await wait_for(lambda: finished(s, "export"), message="the export's record")
+            assert [(at, st) for _, at, st in await records(s, "export")] == [(1, "succeeded")]
+            assert await s.checkpoints.get("export", slot) == big
+            assert [st for _, _, st in await records(s, "first")] == ["succeeded"]
+        assert all(e.path == db and "disk full" in str(e) for e in errors), errors
+
+    run(main())
+    assert integrity(db) == "ok"
+
+
+@contextlib.contextmanager
+def read_only_directory(tmp_path):
+    """A directory that even root cannot write: a read-only bind mount where mounting is allowed,
+    else (not root) permission bits. Yields (directory, make_writable)."""
+    source, view = tmp_path / "source", tmp_path / "view"
+    source.mkdir()
+    view.mkdir()
+    if os.geteuid() != 0:
+        os.chmod(source, 0o500)
+        try:
+            yield source, lambda: os.chmod(source, 0o700)
+        finally:
+            os.chmod(source, 0o700)
+        return
+    mounted = (
+        subprocess.run(["mount", "--bind", str(source), str(view)], check=False, capture_output=True).returncode == 0
+    )
+    if not mounted:
+        pytest.fail("as root, a read-only location needs a bind mount, and mount was refused")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True, capture_output=True)
+        yield view, lambda: subprocess.run(["mount", "-o", "remount,bind,rw", str(view)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False, capture_output=True)
+
+
+def test_read_only_directory_names_the_file_and_works_once_writable(tmp_path):
+    with read_only_directory(tmp_path) as (directory, make_writable):
+        path = str(directory / "jobs.db")
+        s = make(path)
+        s.every("job", "1h", lambda ctx: None)
+        with pytest.raises(StoreError) as info:
+            run(s.run())
+        assert info.value.path == path and path in str(info.value)
+        assert not os.path.exists(path)
+        make_writable()
+        assert run(s.trigger("job")) > 0  # the same scheduler object, once the fault is gone
+        assert [r.status for r in run(s.history("job"))] == []
+        assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_deleted_file_is_recreated_and_the_scheduler_carries_on(db, caplog):
+    """The file is deleted under a running scheduler: it says so naming the file, aborts the attempt
+    that was running on it (its run is gone), and carries on with a new file at the same path."""
+
+    async def main():
+        s = make(db)
+        started, reasons = [], []
+
+        @s.every("long", "24h", lease="2s")
+        async def long(ctx):
+            started.append(ctx.attempt)
+            try:
+                await ctx.signal.wait()
+                ctx.signal.throw_if_aborted()
+            except LeaseLost:
+                reasons.append(str(ctx.signal.reason))
+                raise
+
+        @s.every("tick", "100ms")
+        async def tick(ctx):
+            return None
+
+        async with s:
+            await s.trigger("long")
+            await wait_for(lambda: started, message="the long run to start")
+            os.unlink(db)  # as ``rm jobs.db`` does: its -wal and -shm stay
+            await wait_for(lambda: reasons, message="the running attempt to be aborted")
+            await wait_for(lambda: os.path.exists(db), message="a new file")
+            await wait_for(
+                lambda: any(r.status == "succeeded" for r in run_history(s, "tick")), message="runs in the new file"
+            )
+        assert "deleted" in reasons[0] and db in reasons[0]
+
+    with caplog.at_level(logging.ERROR, logger="anarchon_lite"):
+        run(main())
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any(db in m and "deleted" in m for m in errors), errors
+    assert integrity(db) == "ok"
+
+
+def run_history(s, job):
+    """History read synchronously through a store of its own (the caller's loop is busy)."""
+    store = al._Store(s.path)
+    try:
+        return store.history(job, 100)
+    finally:
+        store.close()
+
+
+def test_replaced_file_is_followed(tmp_path, caplog):
+    """The file is replaced (a restore from a copy, by rename): the scheduler switches to the new
+    file, registers its jobs there, and runs them in it; the old file is left as it was."""
+    db, other = str(tmp_path / "jobs.db"), str(tmp_path / "restored.db")
+    run(make(other).history())  # an empty, valid file to restore
+
+    async def main():
+        s = make(db)
+
+        @s.every("tick", "100ms")
+        async def tick(ctx):
+            return None
+
+        async with s:
+            await wait_for(lambda: run_history(s, "tick"), message="runs in the first file")
+            os.rename(db, str(tmp_path / "old.db"))
+            os.rename(other, db)
+            await wait_for(lambda: run_history(s, "tick"), message="runs in the restored file")
+
+    with caplog.at_level(logging.ERROR, logger="anarchon_lite"):
+        run(main())
+    assert any(db in r.getMessage() and "replaced" in r.getMessage() for r in caplog.records)
+    assert integrity(db) == "ok" and integrity(str(tmp_path / "old.db")) == "ok"
+
+
+def test_a_file_of_the_previous_schema_is_migrated_in_place(db, caplog):
+    """A file written by schema version 1, with a job, its history and a checkpoint, is migrated to
+    the current version by the first scheduler that opens it; everything in it is kept."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    with open(os.path.join(DATA, "schema_v1.sql")) as handle:
+        conn.executescript(handle.read())
+    day = int(time.time() // 86400 * 86400 * 1000)  # today's occurrence of the daily job, already run
+    conn.execute(
+        "INSERT INTO jobs (name, schedule, last_slot, next_slot) VALUES ('export', 'every 24h', ?, ?)",
+        (day, day + 86_400_000),
+    )
+    conn.execute(
+        "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at) "
+        "VALUES ('export', ?, 1, 'succeeded', 'old', ?, ?)",
+        (day, day, day + 500),
+    )
+    conn.execute(
+        "INSERT INTO checkpoints (job, slot, value, updated_at) VALUES ('export', ?, '800', ?)", (day, day + 500)
+    )
+    conn.close()
+
+    async def main():
+        s = make(db)
+        seen = []
+
+        @s.every("export", "24h")
+        async def export(ctx):
+            seen.append(await ctx.checkpoint.get())
+            await ctx.checkpoint.set(1200)
+
+        async with s:
+            assert await s.checkpoints.get("export", day) == 800
+            slot = await s.trigger("export")
+            await wait_for(lambda: seen, message="a run on the migrated file")
+            await wait_for(lambda: finished(s, "export"), message="its record")
+        old, new = reversed(await s.history("export"))
+        assert (old.slot, old.attempt, old.status, old.instance) == (day, 1, "succeeded", "old")
+        assert (new.slot, new.status) == (slot, "succeeded")
+        return slot
+
+    with caplog.at_level(logging.INFO, logger="anarchon_lite"):
+        slot = run(main())
+    assert any("migrating the schema from version 1" in r.getMessage() and db in r.getMessage() for r in caplog.records)
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == al.SCHEMA_VERSION
+        rows = conn.execute("SELECT slot, value, attempt FROM checkpoints ORDER BY slot").fetchall()
+        assert rows == [(day, "800", None), (slot, "1200", 1)]
+    finally:
+        conn.close()
+    assert integrity(db) == "ok"
