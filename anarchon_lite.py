@@ -895,7 +895,10 @@ _SQL_JOIN = (
     "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at) VALUES (?, ?, ?, ?, ?, ?)"
 )
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
-_SQL_CHECKPOINT_GET = "SELECT value FROM checkpoints WHERE job = ? AND slot = ?"
+_SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot; held is 1 when no attempt is given
+    f"SELECT ? IS NULL OR EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE}), "
+    "(SELECT value FROM checkpoints WHERE job = ? AND slot = ?)"
+)
 _SQL_CHECKPOINT_SET = (
     "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at, "
@@ -1370,9 +1373,13 @@ class _Store:
 
     # -- checkpoints and history ------------------------------------------------------------------
 
-    def checkpoint_get(self, job: str, slot: int) -> str | None:
-        rows = self._read(_SQL_CHECKPOINT_GET, (job, slot))
-        return rows[0][0] if rows else None
+    def checkpoint_get(self, job: str, slot: int, fence: tuple[int, str] | None = None) -> tuple[bool, str | None]:
+        """(whether the attempt ``fence`` (attempt, owner) still holds the run, the saved value),
+        read together; with ``fence`` None the first is always True."""
+        fenced = (None, None) if fence is None else fence
+        args = (fenced[0], job, slot, fenced[0], fenced[1], job, slot)
+        held, value = self._read(_SQL_CHECKPOINT_GET, args)[0]
+        return bool(held), value
 
     def checkpoint_write(
         self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
@@ -1885,8 +1892,7 @@ class CheckpointStore:
 
     async def get(self, job: str, slot: int, default: Any = None) -> Any:
         """The value saved for (job, slot), or ``default``."""
-        text = await self._scheduler._call_store(lambda s: s.checkpoint_get(job, slot))
-        return default if text is None else json.loads(text)
+        return await self._read(job, slot, default, _current_attempt.get())
 
     async def set(self, job: str, slot: int, value: Any) -> None:
         """Save ``value`` for (job, slot)."""
@@ -1896,16 +1902,33 @@ class CheckpointStore:
         """Forget the value of (job, slot)."""
         await self._write(job, slot, None, _current_attempt.get())
 
+    async def _read(self, job: str, slot: int, default: Any, attempt: _Attempt | None) -> Any:
+        fence = _fence(job, slot, attempt)
+        held, text = await self._scheduler._call_store(lambda s: s.checkpoint_get(job, slot, fence))
+        if not held:
+            _lost(job, attempt)
+        return default if text is None else json.loads(text)
+
     async def _write(self, job: str, slot: int, text: str | None, attempt: _Attempt | None) -> None:
-        fence = None
-        if attempt is not None and (attempt.claim.job, attempt.claim.slot) == (job, slot):
-            fence = (attempt.claim.attempt, attempt.owner)
+        fence = _fence(job, slot, attempt)
         now = _ms(self._scheduler._clock.time())
-        written = await self._scheduler._call_store(lambda s: s.checkpoint_write(job, slot, text, now, fence))
-        if not written and attempt is not None:
-            reason = LeaseLost(f"{job}: checkpoint refused, the run was taken over by another attempt")
-            attempt.token.abort(reason)
-            raise reason
+        if not await self._scheduler._call_store(lambda s: s.checkpoint_write(job, slot, text, now, fence)):
+            _lost(job, attempt)
+
+
+def _fence(job: str, slot: int, attempt: _Attempt | None) -> tuple[int, str] | None:
+    """(attempt number, owner) when ``attempt`` is a run of (job, slot): its checkpoint is fenced."""
+    if attempt is not None and (attempt.claim.job, attempt.claim.slot) == (job, slot):
+        return attempt.claim.attempt, attempt.owner
+    return None
+
+
+def _lost(job: str, attempt: _Attempt | None) -> None:
+    """A fenced checkpoint read or write found the run taken over: abort the attempt and raise."""
+    reason = LeaseLost(f"{job}: checkpoint refused, the run was taken over by another attempt")
+    if attempt is not None:
+        attempt.token.abort(reason)
+    raise reason
 
 
 def _to_json(value: Any) -> str:
@@ -1926,8 +1949,8 @@ class Checkpoint:
         self._job, self._slot = attempt.claim.job, attempt.claim.slot
 
     async def get(self, default: Any = None) -> Any:
-        """The saved value, or ``default``."""
-        return await self._store.get(self._job, self._slot, default)
+        """The saved value, or ``default``; raises ``LeaseLost`` if the run was taken over."""
+        return await self._store._read(self._job, self._slot, default, self._attempt)
 
     async def set(self, value: Any) -> None:
         """Save ``value``; raises ``LeaseLost`` (and aborts the run's token) if the run was taken over."""

@@ -96,7 +96,7 @@ def test_full_disk_damages_nothing(db):
         for slot in range(2, 1000):
             s.checkpoint_write("job", slot, '"' + "x" * 4000 + '"', 0, None)
     assert info.value.path == db
-    assert s.checkpoint_get("job", 1) == '"kept"'
+    assert s.checkpoint_get("job", 1) == (True, '"kept"')
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     conn.execute("PRAGMA max_page_count = 1000000")
     assert s.checkpoint_write("job", 5000, '"after"', 0, None)  # the fault went away
@@ -136,10 +136,12 @@ def test_fencing_refuses_a_superseded_attempt(db):
     assert second.attempt == 2
     assert s.renew_all("a", time.monotonic(), [first]) == [first]
     assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
+    assert s.checkpoint_get("job", 1000, (1, "a"))[0] is False  # reads are fenced too
+    assert s.checkpoint_get("job", 1000, (2, "b"))[0] is True
     assert s.finish(first, "a", "succeeded", None, 3000) is False
     assert s.checkpoint_write("job", 1000, '"fresh"', 0, (2, "b")) is True
     assert s.finish(second, "b", "succeeded", None, 3000) is True
-    assert s.checkpoint_get("job", 1000) == '"fresh"'
+    assert s.checkpoint_get("job", 1000) == (True, '"fresh"')
     assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
     # the row a saw is gone: its compare-and-set claim does nothing
     assert s.claim(row, OWNER, (time.monotonic() + 30, 30), 4000, 10, True) is None
