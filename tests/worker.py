@@ -3,7 +3,8 @@
 Every event is one JSON line appended to EVENTS, so the test can follow what each process did.
 Modes: ``every`` (a 500 ms job), ``export`` (the checkpointed recipe, triggered by the test),
 ``block`` (an async handler that blocks the event loop for three and a half leases), ``spin``
-(the same in a plain-function handler's thread).
+(the same in a plain-function handler's thread), ``clock`` (a 1 s job, with the system's wall clock
+plus the offset in seconds read from the file EVENTS.offset).
 """
 
 import asyncio
@@ -16,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from anarchon_lite import Aborted, LeaseLost, Scheduler
+from anarchon_lite import Aborted, Clock, LeaseLost, Scheduler
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests ask a stuck worker where it is
 DB, EVENTS, MODE = sys.argv[1:4]
@@ -76,14 +77,24 @@ def spin(ctx):
     emit("done", slot=ctx.slot, attempt=ctx.attempt)
 
 
+class OffsetClock(Clock):
+    """The system's clocks, with the wall clock moved by the offset in a file (a wrong boot clock)."""
+
+    def time(self):
+        with open(EVENTS + ".offset") as handle:
+            return time.time() + float(handle.read())
+
+
 async def main():
-    scheduler = Scheduler(DB, instance=ME)
+    scheduler = Scheduler(DB, instance=ME, clock=OffsetClock() if MODE == "clock" else None)
     if MODE == "every":
         scheduler.every("tick", "500ms", tick)
     elif MODE == "export":
         scheduler.every("export", "24h", export, lease=LEASE)
     elif MODE == "block":
         scheduler.every("block", "24h", block, lease=LEASE)
+    elif MODE == "clock":
+        scheduler.every("tick", "1s", tick)
     elif MODE == "spin":
         scheduler.every("spin", "24h", spin, lease=LEASE)
     runner = asyncio.ensure_future(scheduler.run())
