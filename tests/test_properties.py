@@ -1,0 +1,227 @@
+"""Property tests: cron and rrule iteration against their oracles, and a stateful test of the store
+(claim, renew, expire, take over, hand over, finish) against a model in which at most one attempt
+holds a run at any moment. Durations and the cancellation token have theirs in their own files."""
+
+import datetime as dt
+import os
+import shutil
+import tempfile
+import zoneinfo
+
+from cronsim import CronSim
+from dateutil import rrule as du
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
+
+import anarchon_lite as al
+from anarchon_lite import Scheduler
+
+UTC = dt.timezone.utc
+ORACLE_ZONES = ["UTC", "Europe/Athens", "America/New_York"]
+
+
+def cron_field(low, high):
+    """A strategy for one cron field: *, */n, a, a-b, a-b/n, or a list of those."""
+    number = st.integers(low, high)
+    span = st.tuples(number, number).map(sorted)
+    single = st.one_of(
+        st.just("*"),
+        st.integers(1, high - low + 1).map(lambda n: f"*/{n}"),
+        number.map(str),
+        span.map(lambda ab: f"{ab[0]}-{ab[1]}"),
+        # "a-b/n" with a < b (cronsim reads "a-a/n" as "a/n", cron as just a)
+        st.tuples(span, st.integers(1, 5))
+        .filter(lambda t: t[0][0] < t[0][1])
+        .map(lambda t: f"{t[0][0]}-{t[0][1]}/{t[1]}"),
+    )
+    return st.one_of(single, st.lists(number, min_size=2, max_size=4, unique=True).map(lambda v: ",".join(map(str, v))))
+
+
+CRON = st.tuples(cron_field(0, 59), cron_field(0, 23), cron_field(1, 28), cron_field(1, 12), cron_field(0, 6)).map(
+    " ".join
+)
+MOMENTS = st.datetimes(dt.datetime(2001, 1, 1), dt.datetime(2037, 12, 31)).map(lambda d: d.replace(tzinfo=UTC))
+# plain dateutil iterates from 2000 to get there: keep its moments near (ours stay fast at any date)
+EARLY = st.datetimes(dt.datetime(2000, 1, 2), dt.datetime(2002, 12, 31)).map(lambda d: d.replace(tzinfo=UTC))
+
+
+def ours(kind, text, tz, after, count):
+    s = Scheduler(":memory:")
+    getattr(s, kind)("j", text, lambda ctx: None, tz=tz)
+    return s.upcoming("j", count, after)
+
+
+def strictly_increasing(times):
+    return all(a < b for a, b in zip(times, times[1:]))
+
+
+@given(CRON, st.sampled_from(ORACLE_ZONES), MOMENTS)
+@settings(max_examples=300, deadline=None)
+def test_cron_agrees_with_cronsim_and_never_repeats(expr, tz, after):
+    found = ours("cron", expr, tz, after, 6)
+    assert strictly_increasing(found) and all(t > after for t in found)
+    zone = zoneinfo.ZoneInfo(tz)
+    expected = []
+    for moment in CronSim(expr, after.astimezone(zone)):
+        moment = moment.astimezone(UTC)
+        if not expected or moment > expected[-1]:  # cronsim repeats the instant after a gap
+            expected.append(moment)
+        if len(expected) == len(found):
+            break
+    assert found == expected, expr
+
+
+RRULE = st.builds(
+    lambda freq, interval, hours, minutes, days: ";".join(
+        [f"FREQ={freq}", f"INTERVAL={interval}"]
+        + ([f"BYHOUR={','.join(map(str, hours))}"] if hours and freq != "HOURLY" else [])
+        + [f"BYMINUTE={','.join(map(str, minutes))}"]
+        + ([f"BYDAY={','.join(days)}"] if days else [])
+    ),
+    st.sampled_from(["HOURLY", "DAILY", "WEEKLY", "MONTHLY"]),
+    st.integers(1, 5),
+    st.lists(st.integers(0, 23), max_size=3, unique=True).map(sorted),
+    st.lists(st.integers(0, 59), min_size=1, max_size=3, unique=True).map(sorted),
+    st.lists(st.sampled_from(["MO", "TU", "WE", "TH", "FR", "SA", "SU"]), max_size=3, unique=True),
+)
+
+
+@given(RRULE, EARLY)
+@settings(max_examples=150, deadline=None)
+def test_rrule_agrees_with_dateutil_from_2000_and_never_repeats(rule, after):
+    """In UTC, a rule without DTSTART is dateutil's own iteration from 2000-01-01T00:00."""
+    found = ours("rrule", rule, "UTC", after, 5)
+    assert strictly_increasing(found) and all(t > after for t in found)
+    plain = du.rrulestr(rule, dtstart=dt.datetime(2000, 1, 1))
+    expected = []
+    moment = after.replace(tzinfo=None)
+    while len(expected) < len(found):
+        moment = plain.after(moment)
+        expected.append(moment.replace(tzinfo=UTC))
+    assert found == expected, rule
+
+
+LEASE = 10.0
+SLOT = 1_000_000
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Three processes (three connections, three owners) contend for one run of one job.
+
+    The model knows who holds the run and a version of its row that every change moves on; a
+    process acts on the row as it last saw it (possibly stale), as the scheduler does. The store
+    must agree with the model at every step, and at most one attempt ever holds the run.
+    """
+
+    claims = Bundle("claims")
+    snapshots = Bundle("snapshots")
+
+    def __init__(self):
+        super().__init__()
+        self.directory = tempfile.mkdtemp(prefix="anarchon-model-")
+        path = os.path.join(self.directory, "jobs.db")
+        self.stores = [al._Store(path, busy_timeout=5) for _ in range(3)]
+        self.owners = [al._Owner(f"p{i}", 10_000 + i, None, None, None) for i in range(3)]
+        self.mono = 1000.0  # the lease clock
+        self.holder = None  # (process, attempt) holding the run
+        self.lease_until = 0.0
+        self.version = 0  # moves on with every change to the run's row
+        self.state = "none"  # none, running, pending, done
+        self.attempts = 0
+        self.granted = []  # (process, claim) for every claim the store granted
+
+    @initialize()
+    def register(self):
+        self.stores[0].register([("job", "every 1h", 0, None)])
+
+    def teardown(self):
+        for store in self.stores:
+            store.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _grant(self, process, claim):
+        self.attempts += 1
+        assert claim is not None and claim.attempt == self.attempts
+        self.holder, self.lease_until, self.state = (process, claim.attempt), self.mono + LEASE, "running"
+        self.version += 1
+        self.granted.append((process, claim))
+        return (process, claim)
+
+    @rule(target=claims, process=st.integers(0, 2))
+    def claim_the_occurrence(self, process):
+        lease = (self.mono + LEASE, LEASE)
+        got = self.stores[process].claim_due(
+            "job", 0, SLOT, SLOT + 1000, [], True, True, self.owners[process], lease, 1
+        )
+        if self.state != "none":
+            assert got is None  # the watermark moved: someone claimed it first
+            return multiple()
+        return self._grant(process, got)
+
+    @rule(target=snapshots, process=st.integers(0, 2))
+    def look(self, process):
+        rows = self.stores[process].runs()
+        assert len(rows) == (1 if self.state in ("running", "pending") else 0)
+        return (process, rows[0] if rows else None, self.version)
+
+    @rule(seconds=st.floats(0.0, 2 * LEASE))
+    def time_passes(self, seconds):
+        self.mono += seconds
+
+    @rule(entry=claims)
+    def renew(self, entry):
+        process, claim = entry
+        self.mono += 0.001  # every renewal writes a new lease_until
+        lost = self.stores[process].renew_all(self.owners[process].instance, self.mono, [claim])
+        if self.holder == (process, claim.attempt):
+            assert lost == []
+            self.lease_until = self.mono + LEASE
+            self.version += 1
+        else:
+            assert lost == [claim]
+
+    @rule(target=claims, seen=snapshots, process=st.integers(0, 2))
+    def take_over(self, seen, process):
+        """Claim a pending run, or take over one whose lease ran out, as seen (maybe long ago)."""
+        _, row, version = seen
+        assume(row is not None and (row.state == "pending" or (row.lease_until or 0) < self.mono))
+        lease = (self.mono + LEASE, LEASE)
+        got = self.stores[process].claim(row, self.owners[process], lease, 1, 100, True, "lease expired")
+        if version != self.version:
+            assert got is None  # the row changed since it was seen: compare-and-set refuses
+            return multiple()
+        assert self.state == "pending" or self.lease_until < self.mono
+        return self._grant(process, got)
+
+    @rule(entry=claims, then=st.sampled_from(["done", "handover"]))
+    def finish(self, entry, then):
+        process, claim = entry
+        ok = self.stores[process].finish(claim, self.owners[process].instance, "succeeded", None, 2, then, 0)
+        assert ok == (self.holder == (process, claim.attempt))
+        if ok:
+            self.holder, self.state = None, ("done" if then == "done" else "pending")
+            self.version += 1
+
+    @rule(entry=claims, value=st.integers())
+    def save_checkpoint(self, entry, value):
+        process, claim = entry
+        fence = (claim.attempt, self.owners[process].instance)
+        written = self.stores[process].checkpoint_write("job", SLOT, str(value), 3, fence)
+        assert written == (self.holder == (process, claim.attempt))
+
+    @invariant()
+    def at_most_one_attempt_holds_the_run(self):
+        holding = [
+            (process, claim.attempt)
+            for process, claim in self.granted
+            if self.stores[0].checkpoint_get("job", SLOT, (claim.attempt, self.owners[process].instance))[0]
+        ]
+        assert len(holding) <= 1
+        assert holding == ([self.holder] if self.holder else [])
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+)
+test_store_against_its_model = StoreMachine.TestCase
