@@ -991,10 +991,16 @@ class _Store:
     A PostgreSQL store for several hosts would implement the same methods.
     """
 
-    def __init__(self, path: str, *, busy_timeout: float = 30.0, synchronous: str = "FULL"):
+    def __init__(
+        self, path: str, *, busy_timeout: float = 30.0, synchronous: str = "FULL", lock_poll: float | None = None
+    ):
         self.path = path
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
+        # With ``lock_poll``, a single-statement write looks for the lock this often (seconds) instead
+        # of in SQLite's busy handler, whose sleeps grow to 100 ms and do not end when the lock frees:
+        # under heavy contention, other writers keep taking the lock while it sleeps.
+        self._lock_poll = lock_poll
         self._conn: sqlite3.Connection | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
 
@@ -1022,6 +1028,8 @@ class _Store:
             raise StoreError(self.path, f"cannot open the database: {exc}") from None
         try:
             self._prepare(conn)
+            if self._lock_poll:
+                conn.execute("PRAGMA busy_timeout = 0")  # writes look for the lock themselves
             status = os.stat(self.path)
         except BaseException:
             conn.close()
@@ -1064,7 +1072,7 @@ class _Store:
             try:
                 mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
             except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
+                if not _is_busy(exc):
                     raise
                 mode = "busy"
             if mode == "wal":
@@ -1280,10 +1288,16 @@ class _Store:
     def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
         """One write statement, its own transaction; returns the number of rows it changed."""
         conn = self._connect()
-        try:
-            return int(conn.execute(sql, args).rowcount)
-        except sqlite3.Error as exc:
-            raise StoreError(self.path, _explain(exc)) from None
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            try:
+                return int(conn.execute(sql, args).rowcount)
+            except sqlite3.OperationalError as exc:
+                if not self._lock_poll or not _is_busy(exc) or time.monotonic() > deadline:
+                    raise StoreError(self.path, _explain(exc)) from None
+            except sqlite3.Error as exc:
+                raise StoreError(self.path, _explain(exc)) from None
+            time.sleep(self._lock_poll)
 
     def finish(
         self,
@@ -1411,6 +1425,11 @@ def _run_row(row: Sequence[Any]) -> _RunRow:
     return _RunRow(*values)
 
 
+def _is_busy(exc: sqlite3.Error) -> bool:
+    text = str(exc)
+    return "locked" in text or "busy" in text
+
+
 def _explain(exc: sqlite3.Error) -> str:
     text = str(exc)
     if "not a database" in text:
@@ -1419,7 +1438,7 @@ def _explain(exc: sqlite3.Error) -> str:
         return "disk full: the database cannot grow (database or disk is full)"
     if "readonly" in text or "read-only" in text:
         return f"the database is read-only ({text})"
-    if "locked" in text or "busy" in text:
+    if _is_busy(exc):
         return f"the database stayed locked by another process past the busy timeout ({text})"
     return text
 
@@ -1559,8 +1578,8 @@ class _Heartbeats(threading.Thread):
 
     def __init__(self, path: str, clock: Clock, busy_timeout: float, name: str, loop: asyncio.AbstractEventLoop):
         super().__init__(name=name, daemon=True)
-        self._store = _Store(path, busy_timeout=busy_timeout, synchronous="NORMAL")
-        self._loop_store = _Store(path, busy_timeout=0.05, synchronous="NORMAL")
+        self._store = _Store(path, busy_timeout=busy_timeout, synchronous="NORMAL", lock_poll=0.0005)
+        self._loop_store = _Store(path, busy_timeout=0.0, synchronous="NORMAL")  # never blocks the loop
         self._loop = loop
         self._loop_timer: asyncio.TimerHandle | None = None
         self._clock = clock
@@ -1624,6 +1643,9 @@ class _Heartbeats(threading.Thread):
                     store.report_progress(attempt.claim, owner, attempt.progress)
                     attempt.reported = attempt.progress
         except Exception as exc:  # noqa: BLE001 - renewals must outlive any failure
+            if store is self._loop_store:  # the fallback does not wait for the lock; the thread does
+                _log.debug("lease renewal from the event loop failed: %s", exc)
+                return 0.005
             _log.warning("lease renewal failed, retrying: %s", exc)
             return 0.2
         now = self._clock.monotonic()
