@@ -959,6 +959,33 @@ class _Claim:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Due:
+    """What to do with a job's due occurrences, for ``claim_due_many``."""
+
+    job: str
+    expected_last: int  # the watermark as the scheduler saw it (compare-and-set)
+    slot: int  # the occurrence to run, or the newest one recorded
+    next_slot: int | None
+    missed: Sequence[tuple[int, str | None]]  # (slot, error) of the occurrences recorded missed
+    run: bool
+    skip_if_busy: bool
+    lease: tuple[float, float]  # (valid until, seconds) on the monotonic clock
+
+
+@dataclasses.dataclass(frozen=True)
+class _End:
+    """How an attempt ended, for ``finish_many``."""
+
+    claim: _Claim
+    status: str
+    error: str | None
+    now_ms: int
+    then: str = "done"  # "done", "retry" (after backoff, until not_before) or "handover"
+    not_before: int = 0
+    output: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RunRecord:
     """One history record: an attempt, or an occurrence that was skipped or missed (attempt 0)."""
 
@@ -1192,23 +1219,33 @@ class _Store:
         it first (nothing written), ``False`` when ``slot`` was recorded without running (skipped,
         or missed when ``run`` is false), else the claim of attempt 1.
         """
+        due = _Due(job, expected_last, slot, next_slot, missed, run, skip_if_busy, lease)
+        return self.claim_due_many(owner, now_ms, [due])[0]
 
-        def work(conn: sqlite3.Connection) -> None | bool | _Claim:
-            if conn.execute(_SQL_ADVANCE, (slot, next_slot, job, expected_last)).rowcount != 1:
-                return None
-            records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in missed]
-            conn.executemany(_SQL_RECORD, records)
-            if missed:
-                self._prune(conn, job)
-            if not run:
-                return False
-            if skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
-                self._skip(conn, job, slot, owner, now_ms)
-                return False
-            conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
-            return self._take(conn, job, slot, owner, lease, now_ms)
+    def claim_due_many(self, owner: _Owner, now_ms: int, due: Sequence[_Due]) -> list[None | bool | _Claim]:
+        """``claim_due`` for several jobs in one transaction: one commit (one sync) however many
+        jobs are due at once."""
+
+        def work(conn: sqlite3.Connection) -> list[None | bool | _Claim]:
+            return [self._claim_due(conn, owner, now_ms, item) for item in due]
 
         return self._write(work)
+
+    def _claim_due(self, conn: sqlite3.Connection, owner: _Owner, now_ms: int, due: _Due) -> None | bool | _Claim:
+        job, slot = due.job, due.slot
+        if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
+            return None
+        records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
+        conn.executemany(_SQL_RECORD, records)
+        if due.missed:
+            self._prune(conn, job)
+        if not due.run:
+            return False
+        if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
+            self._skip(conn, job, slot, owner, now_ms)
+            return False
+        conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
+        return self._take(conn, job, slot, owner, due.lease, now_ms)
 
     def _take(
         self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, lease: tuple[float, float], now_ms: int
@@ -1315,19 +1352,27 @@ class _Store:
         Fenced: returns False and writes nothing if the attempt no longer holds the run. ``retry``
         and ``handover`` leave the run pending (claimable from ``not_before``) for the next attempt.
         """
+        return self.finish_many(owner, [_End(claim, status, error, now_ms, then, not_before, output)])[0]
 
-        def work(conn: sqlite3.Connection) -> bool:
-            if not conn.execute(_SQL_IS_HELD, (claim.job, claim.slot, claim.attempt, owner)).fetchall():
-                return False
-            conn.execute(_SQL_END_ATTEMPT, (status, now_ms, error, output, claim.job, claim.slot, claim.attempt))
-            if then == "done":
-                conn.execute(_SQL_DELETE_RUN, (claim.job, claim.slot))
-                self._prune(conn, claim.job)
-            else:
-                conn.execute(_SQL_RELEASE, (not_before, int(then == "retry"), claim.job, claim.slot))
-            return True
+    def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
+        """``finish`` for several attempts of ``owner`` in one transaction (one commit, one sync)."""
+
+        def work(conn: sqlite3.Connection) -> list[bool]:
+            return [self._finish(conn, owner, end) for end in ends]
 
         return self._write(work)
+
+    def _finish(self, conn: sqlite3.Connection, owner: str, end: _End) -> bool:
+        job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
+        if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
+            return False
+        conn.execute(_SQL_END_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
+        if end.then == "done":
+            conn.execute(_SQL_DELETE_RUN, (job, slot))
+            self._prune(conn, job)
+        else:
+            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then == "retry"), job, slot))
+        return True
 
     def _prune(self, conn: sqlite3.Connection, job: str) -> None:
         conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
@@ -2086,6 +2131,8 @@ class Scheduler:
         self._registered = False
         self._owner = _this_owner(self.instance)
         self._attempts: dict[tuple[str, int], _Attempt] = {}
+        self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  # attempts' ends waiting to be written
+        self._writers: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._signal_tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[None] | None = None
@@ -2437,17 +2484,20 @@ class Scheduler:
             return
         self._clock_warned = False
         wait = min(self._idle, state.recheck or self._idle)
+        ready: list[tuple[_Job, _JobRow]] = []
         for row in state.jobs or []:
             job = self._jobs.get(row.name)
             if job is None or row.paused:
                 continue
             due = job.schedule.next_after(row.last_slot)
             if due is not None and due <= now_ms:
-                await self._fire(job, row, now_ms)
-                state.version = -1
-                wait = 0.0
+                ready.append((job, row))
             elif due is not None:
                 wait = min(wait, (due - now_ms) / 1000)
+        if ready:
+            await self._fire(ready, now_ms)
+            state.version = -1
+            wait = 0.0
         for run in state.runs or []:
             again = await self._consider(run, now_ms)
             if again is not None:
@@ -2478,26 +2528,19 @@ class Scheduler:
         state.version = -1
         state.newest = 0
 
-    async def _fire(self, job: _Job, row: _JobRow, now_ms: int) -> None:
-        """Handle the due occurrences of ``job`` after its watermark: run, skip, catch up or miss."""
-        plan = _plan_due(job, row.last_slot, now_ms)
-        lease = (self._clock.monotonic() + job.options.lease, job.options.lease)
-        claim = await self._call_store(
-            lambda s: s.claim_due(
-                job.name,
-                row.last_slot,
-                plan.slot,
-                plan.next_slot,
-                plan.missed,
-                plan.run,
-                job.options.overlap == "skip",
-                self._owner,
-                lease,
-                now_ms,
-            )
-        )
-        if isinstance(claim, _Claim):
-            self._start(job, claim)
+    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> None:
+        """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
+        miss), all in one transaction."""
+        due = []
+        for job, row in ready:
+            plan = _plan_due(job, row.last_slot, now_ms)
+            lease = (self._clock.monotonic() + job.options.lease, job.options.lease)
+            skip = job.options.overlap == "skip"
+            due.append(_Due(job.name, row.last_slot, plan.slot, plan.next_slot, plan.missed, plan.run, skip, lease))
+        claims = await self._call_store(lambda s: s.claim_due_many(self._owner, now_ms, due))
+        for (job, _row), claim in zip(ready, claims):
+            if isinstance(claim, _Claim):
+                self._start(job, claim)
 
     async def _consider(self, run: _RunRow, now_ms: int) -> float | None:
         """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
@@ -2626,20 +2669,10 @@ class Scheduler:
             then, not_before = "handover", now_ms
         elif outcome.retryable and claim.failures < options.retries:
             then, not_before = "retry", now_ms + _ms(options.retry_delay * 2**claim.failures)
+        end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         for tries in range(60):
             try:
-                await self._call_store(
-                    lambda s: s.finish(
-                        claim,
-                        self.instance,
-                        outcome.status or "",
-                        outcome.error,
-                        now_ms,
-                        then,
-                        not_before,
-                        outcome.output,
-                    )
-                )
+                await self._finish(end)
                 break
             except StoreError as exc:
                 _log.error(
@@ -2651,6 +2684,31 @@ class Scheduler:
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
         self._poke()
+
+    async def _finish(self, end: _End) -> bool:
+        """Write an attempt's end. The ends of attempts that finish together are written in one
+        transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._ends.append((end, future))
+        if len(self._ends) == 1:
+            task = asyncio.get_running_loop().create_task(self._write_ends())
+            self._writers.add(task)
+            task.add_done_callback(self._writers.discard)
+        return await future
+
+    async def _write_ends(self) -> None:
+        await asyncio.sleep(0)  # the attempts ending in this turn of the loop join the batch
+        batch, self._ends = self._ends, []
+        try:
+            results = await self._call_store(lambda s: s.finish_many(self.instance, [end for end, _ in batch]))
+        except BaseException as exc:  # every waiting attempt gets it (a StoreError: each retries)
+            for _, future in batch:
+                _set_exception(future, exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            for (_, future), written in zip(batch, results):
+                _set_result(future, written)
 
     def _describe_block(self, thread_id: int) -> str:
         frame = sys._current_frames().get(thread_id)

@@ -158,7 +158,11 @@ def arm_store(directory: str) -> None:
 
 
 def worker(directory: str) -> None:
+    import faulthandler
+
     import anarchon_lite as al
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the controller asks a stuck worker where it is
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     arm_store(directory)
@@ -350,9 +354,7 @@ class Chaos:
         elif kind in ("sigterm", "restart"):
             proc.send_signal(signal.SIGTERM)
             if not _wait_exit(proc, 20.0):
-                self.problems.append(f"pid {proc.pid} did not stop within 20 s of SIGTERM")
-                proc.kill()
-                proc.wait()
+                self._stuck(proc)
             elif proc.returncode != 0 and (self._ready(proc) or proc.returncode != -signal.SIGTERM):
                 self.problems.append(f"pid {proc.pid} exited with {proc.returncode} after SIGTERM")
             if kind == "restart":
@@ -364,6 +366,17 @@ class Chaos:
             proc.send_signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(1.5, 3.0) * LEASE)  # frozen past its lease
             proc.send_signal(signal.SIGCONT)
+
+    def _stuck(self, proc: subprocess.Popen) -> None:
+        """A worker that did not stop within 20 s of SIGTERM: a violation, with its threads' stacks."""
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)  # the stacks are written to its log
+        proc.kill()
+        proc.wait()
+        log = os.path.join(self.directory, f"worker-{self.workers.all.index(proc)}.log")
+        with open(log, errors="replace") as handle:
+            tail = handle.read()[-6000:]
+        self.problems.append(f"pid {proc.pid} did not stop within 20 s of SIGTERM; its log ends:\n{tail}")
 
     def _calm(self) -> None:
         """Restart every process, pause the jobs and wait until every started run has finished."""
@@ -396,7 +409,7 @@ class Chaos:
             proc.send_signal(signal.SIGTERM)
         for proc in list(self.workers.alive):
             if not _wait_exit(proc, 20.0):
-                self.problems.append(f"pid {proc.pid} did not stop within 20 s of SIGTERM")
+                self._stuck(proc)
 
     # -- the verdict ------------------------------------------------------------------------------
 

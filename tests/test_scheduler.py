@@ -656,7 +656,7 @@ def test_blocked_loop_warning_names_the_job(db, caplog):
 def test_transient_store_failures_do_not_stop_the_scheduler(db, monkeypatch, caplog):
     import anarchon_lite as al
 
-    failures = {"finish": 2, "renew_all": 2, "claim_due": 1}
+    failures = {"finish_many": 2, "renew_all": 2, "claim_due_many": 1}
     originals = {name: getattr(al._Store, name) for name in failures}
 
     def flaky(name):
@@ -686,7 +686,7 @@ def test_transient_store_failures_do_not_stop_the_scheduler(db, monkeypatch, cap
             await s.trigger("steady")
             await wait_for(lambda: has(s, "steady", "succeeded"))
             await wait_for(lambda: has(s, "often", "succeeded"))
-        assert failures == {"finish": 0, "renew_all": 0, "claim_due": 0}
+        assert failures == {"finish_many": 0, "renew_all": 0, "claim_due_many": 0}
         assert [(at, st) for _, at, st in await statuses(s, "steady")] == [(1, "succeeded")]
 
     with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
