@@ -70,3 +70,20 @@ def clock() -> ManualClock:
 def run(coro: Awaitable[object], timeout: float | None = 60.0) -> object:
     """Run a coroutine on a fresh event loop, bounded in time."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture
+def machine_to_itself():
+    """For the tests that load the whole machine (chaos, load): when several test sessions run at
+    once (CI runs one per Python, two at a time), these run one at a time across all of them."""
+    import fcntl
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "anarchon-lite-heavy-tests.lock")
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -4,7 +4,7 @@ runs a long one)."""
 import chaos
 
 
-def test_chaos_45_seconds(tmp_path):
+def test_chaos_45_seconds(tmp_path, machine_to_itself):
     report = chaos.run(str(tmp_path), seconds=45, seed=20261129, processes=3)
     summary = chaos.describe(report)
     print(summary)

@@ -3,7 +3,7 @@
 import load
 
 
-def test_fifty_jobs_every_100_ms_across_four_processes(tmp_path):
+def test_fifty_jobs_every_100_ms_across_four_processes(tmp_path, machine_to_itself):
     report = load.run(str(tmp_path), seconds=20, jobs=50, processes=4)
     summary = load.describe(report)
     print(summary)
