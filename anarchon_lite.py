@@ -2306,6 +2306,7 @@ class Scheduler:
 
     async def run(self) -> None:
         """Run the scheduler until ``stop()`` (or SIGTERM/SIGINT, when on the main thread)."""
+        self._stopping = False  # a stop from now on, even while starting, is kept
         loop = asyncio.get_running_loop()
         installed = []
         if threading.current_thread() is threading.main_thread():
@@ -2331,6 +2332,7 @@ class Scheduler:
 
     async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
         """Start the scheduler in the background; returns once it has looked at the file once."""
+        self._stopping = False
         self._ready = ready = asyncio.Event()
         self._main = asyncio.get_running_loop().create_task(self._serve())
         waiter = asyncio.ensure_future(ready.wait())
@@ -2380,7 +2382,6 @@ class Scheduler:
         on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
         if alone and on_start:  # the first process of a group runs the jobs declared to run on start
             await self._call_store(lambda s: [s.trigger(name, now_ms) for name in on_start])
-        self._stopping = False
         self._poked = False
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = _Heartbeats(

@@ -750,3 +750,27 @@ def test_an_idle_scheduler_is_woken_by_other_processes_writes(db):
         assert ran[0] - started < 1.0
 
     run(main())
+
+
+def test_a_stop_while_starting_is_kept(db, monkeypatch):
+    """SIGTERM can arrive while the scheduler is still joining the file: it must still stop."""
+    import anarchon_lite as al
+
+    joining, join = threading.Event(), al._Store.join
+
+    def slow_join(self, *args):
+        joining.set()
+        time.sleep(0.3)  # the join's transaction, still in progress when the stop comes
+        return join(self, *args)
+
+    monkeypatch.setattr(al._Store, "join", slow_join)
+
+    async def main():
+        s = make(db)
+        s.every("job", "1h", lambda ctx: None)
+        runner = asyncio.ensure_future(s.run())
+        await wait_for(joining.is_set, message="the join to start")
+        await s.stop()
+        await asyncio.wait_for(runner, 10)
+
+    run(main())
