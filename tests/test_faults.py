@@ -302,8 +302,8 @@ def test_replaced_file_is_followed(tmp_path, caplog):
 
         async with s:
             await wait_for(lambda: run_history(s, "tick"), message="runs in the first file")
-            os.rename(db, str(tmp_path / "old.db"))
-            os.rename(other, db)
+            os.link(db, str(tmp_path / "old.db"))  # keep the old file, under another name
+            os.replace(other, db)  # one atomic rename: the path never goes missing
             await wait_for(lambda: run_history(s, "tick"), message="runs in the restored file")
 
     with caplog.at_level(logging.ERROR, logger="anarchon_lite"):
