@@ -774,3 +774,24 @@ def test_a_stop_while_starting_is_kept(db, monkeypatch):
         await asyncio.wait_for(runner, 10)
 
     run(main())
+
+
+def test_the_switch_interval_is_lowered_while_running_and_restored(db):
+    import sys
+
+    before = sys.getswitchinterval()
+
+    async def main():
+        seen = []
+        s, t = make(db, instance="s"), make(db, instance="t", switch_interval=None)
+        async with s:
+            seen.append(sys.getswitchinterval())
+            async with t:  # a second scheduler neither lowers nor restores it
+                seen.append(sys.getswitchinterval())
+            seen.append(sys.getswitchinterval())
+        seen.append(sys.getswitchinterval())
+        async with t:
+            seen.append(sys.getswitchinterval())
+        return seen
+
+    assert run(main()) == [0.001, 0.001, 0.001, before, before]
