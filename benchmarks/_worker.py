@@ -110,9 +110,10 @@ def declare(scheduler: Scheduler) -> None:
         async def tick(ctx):
             await started(ctx)
 
-    elif mode == "idle_cost":
+    elif mode == "idle_cost":  # nothing may come due while it is measured (up to ten minutes)
+        first = (int(time.time()) + 1800) % 3600  # the first of them half an hour from now
         for i in range(10):
-            scheduler.every(f"hourly-{i}", "1h", lambda ctx: None, offset=f"{i + 1}m")
+            scheduler.every(f"hourly-{i}", "1h", lambda ctx: None, offset=(first + 60 * i) % 3600)
 
 
 async def main() -> None:

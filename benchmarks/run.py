@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable
 
@@ -225,6 +226,38 @@ class IdleProbe:
         }
 
 
+def switch_cost(seconds: float) -> dict[str, Any]:
+    """The price of the 1 ms switch interval: the work two computing threads get done in ``seconds``
+    at 5 ms and at 1 ms, alternating three times; the ratio of the medians."""
+
+    def work(interval: float) -> int:
+        sys.setswitchinterval(interval)
+        counts = [0, 0]
+
+        def spin(i: int) -> None:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                counts[i] += sum(range(200)) > 0
+
+        threads = [threading.Thread(target=spin, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(counts)
+
+    default = sys.getswitchinterval()
+    try:
+        at5, at1 = [], []
+        for _ in range(3):
+            at5.append(work(0.005))
+            at1.append(work(0.001))
+    finally:
+        sys.setswitchinterval(default)
+    five, one = statistics.median(at5), statistics.median(at1)
+    return {"iterations_5ms": five, "iterations_1ms": one, "ratio_1ms_to_5ms": one / five}
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -257,6 +290,7 @@ def main() -> int:
     results["start_lateness_ms"] = {"single": start_lateness(1, span / 2), "four_processes": start_lateness(4, span)}
     print("start lateness: done", flush=True)
     results["idle"] = idle.result(60.0 if quick else 600.0)
+    results["switch_interval_cost"] = switch_cost(2.0 if quick else 5.0)
     if not args.no_peers:
         from peers import run_peers
 
@@ -298,6 +332,8 @@ def report(results: dict[str, Any]) -> None:
         f"idle (10 hourly jobs, {i['seconds']:.0f} s): {i['wakeups_per_min']:.1f} wake-ups/min, "
         f"{cpu} CPU s/hour, {i['rss_mb']:.1f} MB RSS, {i['db_writes_per_hour']:.0f} db writes/hour"
     )
+    c = results["switch_interval_cost"]
+    print(f"two computing threads, work done at 1 ms / 5 ms switch interval: {c['ratio_1ms_to_5ms']:.3f}")
     for name, r in results.get("peers", {}).items():
         if "error" in r:
             print(f"peer {name}: not measured: {r['error']}")
