@@ -117,7 +117,7 @@ def declare(scheduler: Scheduler) -> None:
 
 
 async def main() -> None:
-    scheduler = Scheduler(DB, switch_interval=None if SCENARIO.endswith("_5ms") else 0.001)
+    scheduler = Scheduler(DB, switch_interval=None if SCENARIO.endswith("_5ms") else 0.0005)
     declare(scheduler)
     duration = float(ARGS[0]) if ARGS else 10.0
 

@@ -794,4 +794,4 @@ def test_the_switch_interval_is_lowered_while_running_and_restored(db):
             seen.append(sys.getswitchinterval())
         return seen
 
-    assert run(main()) == [0.001, 0.001, 0.001, before, before]
+    assert run(main()) == [0.0005, 0.0005, 0.0005, before, before]
