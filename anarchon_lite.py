@@ -1633,6 +1633,7 @@ class _Heartbeats(threading.Thread):
         self._due: float | None = None
         self._stopped = False
         self._reopen = False
+        self._closed = threading.Event()  # set once the thread has closed its connection for a reopen
         self.lateness = _Lateness()
 
     def add(self, attempt: _Attempt) -> None:
@@ -1659,9 +1660,14 @@ class _Heartbeats(threading.Thread):
         """Close the connections to the file; the next renewal opens the path again (call on the
         event loop's thread)."""
         with self._cond:
+            self._closed.clear()
             self._reopen = True
             self._cond.notify()
         self._loop_store.close()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """After ``reopen``: wait until the thread has closed its connection (call off the loop)."""
+        return self._closed.wait(timeout)
 
     def _round(self) -> tuple[float | None, float, list[_Attempt]]:
         """(seconds until the next round or None, its planned time, the attempts to renew now if
@@ -1721,6 +1727,7 @@ class _Heartbeats(threading.Thread):
                     if self._reopen:
                         self._store.close()
                         self._reopen = False
+                        self._closed.set()
                 wait = self._renew_due(self._store)
                 with self._cond:
                     if self._stopped:
@@ -2563,10 +2570,14 @@ class Scheduler:
         for attempt in list(self._attempts.values()):
             attempt.token.abort(LeaseLost(f"{attempt.claim.job}: the database file {self.path} was {change}"))
         state.watch.close()
-        if self._heartbeats is not None:
-            self._heartbeats.reopen()
         if self._store_thread is not None:
             await self._store_thread.call(lambda s: s.close())
+        if self._heartbeats is not None:
+            # No connection of this process may stay on the old file when the path is opened again:
+            # its -wal and -shm files keep their names, and a new connection would read them.
+            self._heartbeats.reopen()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._heartbeats.wait_closed, 5.0)
         self._registered = False
         self._rejoin = True
         self._dirty = True

@@ -80,6 +80,8 @@ def test_two_crontab_processes_run_each_occurrence_once(tmp_path, daemons):
     for _ in range(2):
         daemons.start("--db", db, "crontab", str(crontab))
     wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 4, what="four runs")
+    cli(db, "pause", "tick")  # then no run is in flight when the daemons are stopped
+    wait_until(lambda: not json.loads(cli(db, "status", "--json").stdout)[0]["runs"], what="no run in flight")
     daemons.close()
     slots = [int(line.split()[0]) for line in out.read_text().splitlines()]
     assert len(slots) == len(set(slots)) and all(s % 1000 == 0 for s in slots)

@@ -304,12 +304,18 @@ def test_replaced_file_is_followed(tmp_path, caplog):
             await wait_for(lambda: run_history(s, "tick"), message="runs in the first file")
             os.link(db, str(tmp_path / "old.db"))  # keep the old file, under another name
             os.replace(other, db)  # one atomic rename: the path never goes missing
+            # (nothing else may open the path until the scheduler has let go of the old file: the
+            # old -wal and -shm files keep their names, and a new connection would read them)
+            await wait_for(lambda: replaced(caplog, db), message="the replacement to be noticed")
             await wait_for(lambda: run_history(s, "tick"), message="runs in the restored file")
 
     with caplog.at_level(logging.ERROR, logger="anarchon_lite"):
         run(main())
-    assert any(db in r.getMessage() and "replaced" in r.getMessage() for r in caplog.records)
     assert integrity(db) == "ok" and integrity(str(tmp_path / "old.db")) == "ok"
+
+
+def replaced(caplog, db):
+    return any(db in r.getMessage() and "replaced" in r.getMessage() for r in caplog.records)
 
 
 def test_a_file_of_the_previous_schema_is_migrated_in_place(db, caplog):
