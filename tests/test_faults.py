@@ -94,9 +94,11 @@ def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog):
             await a.trigger("work")
             await wait_for(lambda: len(seen) == 1, message="the run to start")
             async with b:
-                hold = asyncio.get_running_loop().run_in_executor(None, hold_lock, db, 1.5)
-                await hold
-                await asyncio.sleep(0.5)  # renewals resume; b has looked at the run meanwhile
+                await asyncio.get_running_loop().run_in_executor(None, hold_lock, db, 1.5)
+                renewed = a._heartbeats.lateness.samples
+                before = len(renewed)
+                # renewals land again once the lock is free (two rounds: b watches the run meanwhile)
+                await wait_for(lambda: len(renewed) >= before + 2, message="renewals after the lock")
                 done.set()
                 await wait_for(lambda: finished(a, "work"), message="the record")
                 assert [(at, st) for _, at, st in await records(a, "work")] == [(1, "succeeded")]
