@@ -69,7 +69,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def workload(python: str, kind: str, seconds: float, idle_seconds: float) -> dict[str, Any]:
+def workload(python: str, kind: str, seconds: float) -> dict[str, Any]:
+    """Four processes declaring one job every second, for ``seconds``: runs, duplicates, lateness."""
     with tempfile.TemporaryDirectory() as folder:
         db, out = os.path.join(folder, "jobs.db"), os.path.join(folder, "runs.jsonl")
         procs = []
@@ -84,28 +85,34 @@ def workload(python: str, kind: str, seconds: float, idle_seconds: float) -> dic
         runs = [r for r in runs if begin + 2 <= r["slot"] <= begin + seconds - 1]
         slots = [r["slot"] for r in runs]
         late = [r["late"] * 1000 for r in runs]
-    with tempfile.TemporaryDirectory() as folder:
-        proc = start(python, kind, os.path.join(folder, "idle.db"), os.path.join(folder, "x"), idle=1)
-        try:
-            time.sleep(1.0)
-            cpu0 = cpu_seconds(proc.pid)
-            time.sleep(idle_seconds)
-            cpu = cpu_seconds(proc.pid) - cpu0
-        finally:
-            stop([proc])
     return {
-        "idle_cpu_resolution_s_per_hour": 3600 / os.sysconf("SC_CLK_TCK") / idle_seconds,
         "runs": len(runs),
         "occurrences": len(set(slots)),
         "duplicates": len(slots) - len(set(slots)),
         "lateness_p50_ms": percentile(late, 50),
         "lateness_p99_ms": percentile(late, 99),
-        "idle_cpu_s_per_hour": cpu / idle_seconds * 3600,
     }
 
 
+def idle_cpu(pythons: dict[str, tuple[str, str]], seconds: float) -> dict[str, float]:
+    """CPU seconds per hour of one idle process of each peer, all measured over the same ``seconds``."""
+    with tempfile.TemporaryDirectory() as folder:
+        procs: dict[str, subprocess.Popen[str]] = {}
+        try:
+            for name, (python, kind) in pythons.items():
+                procs[name] = start(
+                    python, kind, os.path.join(folder, f"{kind}.db"), os.path.join(folder, kind), idle=1
+                )
+            time.sleep(1.0)
+            cpu0 = {name: cpu_seconds(proc.pid) for name, proc in procs.items()}
+            time.sleep(seconds)
+            return {name: (cpu_seconds(proc.pid) - cpu0[name]) / seconds * 3600 for name, proc in procs.items()}
+        finally:
+            stop(list(procs.values()))
+
+
 def run_peers(results: dict[str, Any], quick: bool) -> dict[str, Any]:
-    seconds, idle_seconds = (20.0, 15.0) if quick else (60.0, 120.0)
+    seconds, idle_seconds = (20.0, 20.0) if quick else (30.0, 120.0)
     peers: dict[str, Any] = {}
     ours = results["start_lateness_ms"]["four_processes"]
     peers["anarchon_lite"] = {
@@ -115,11 +122,21 @@ def run_peers(results: dict[str, Any], quick: bool) -> dict[str, Any]:
         "lateness_p99_ms": ours["p99"],
         "idle_cpu_s_per_hour": results["idle"]["cpu_s_per_hour"],
     }
+    pythons: dict[str, tuple[str, str]] = {}
     for name, (kind, requirements) in PEERS.items():
         try:
             python = venv_python(kind, requirements)
-            peers[name] = workload(python, kind, seconds, idle_seconds)
+            peers[name] = workload(python, kind, seconds)
+            pythons[name] = (python, kind)
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             peers[name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"peer {name}: done", flush=True)
+    try:
+        for name, cpu in idle_cpu(pythons, idle_seconds).items():
+            peers[name]["idle_cpu_s_per_hour"] = cpu
+            peers[name]["idle_cpu_resolution_s_per_hour"] = 3600 / os.sysconf("SC_CLK_TCK") / idle_seconds
+    except Exception as exc:  # noqa: BLE001
+        for name in pythons:
+            peers[name] = {"error": f"idle measurement: {type(exc).__name__}: {exc}"}
+    print("peers idle: done", flush=True)
     return peers
