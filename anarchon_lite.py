@@ -1608,6 +1608,47 @@ class _Lateness:
             self.samples.append(value)
 
 
+class _SwitchInterval:
+    """Lowers the interpreter's GIL switch interval around heartbeat rounds, and puts it back after.
+
+    A heartbeat from a thread waits for the GIL at each hand-off (waking up, after the statement,
+    after its reset) whenever another thread computes: a switch interval each, 5 ms by default.
+    At 0.5 ms a renewal is a few ms late instead of 10-30 ms. Threads that compute together lose
+    about a tenth of their work at 0.5 ms (the benchmark's ``switch_interval_cost``), so the
+    heartbeat thread lowers it only from shortly before a round until the round is done: a few
+    percent of the time while runs are renewing, never in a process with nothing running.
+    Counted, so that several schedulers in one process share it; the last to let go restores it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved: float | None = None
+
+    def lower(self, interval: float | None) -> None:
+        if interval is None:
+            return
+        with self._lock:
+            self._users += 1
+            current = sys.getswitchinterval()
+            if current > interval:
+                if self._saved is None:
+                    self._saved = current
+                sys.setswitchinterval(interval)
+
+    def restore(self, interval: float | None) -> None:
+        if interval is None:
+            return
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._saved is not None:
+                sys.setswitchinterval(self._saved)
+                self._saved = None
+
+
+_switch_interval = _SwitchInterval()
+
+
 class _Heartbeats(threading.Thread):
     """Renews the leases of this process's running attempts, all in one statement per round.
 
@@ -1617,11 +1658,22 @@ class _Heartbeats(threading.Thread):
     (computing in chunks) takes the GIL straight back at every turn and can starve a waiting thread
     for seconds. Renewing twice is harmless. A renewal that finds a run taken aborts that attempt's
     token with ``LeaseLost``; one that fails (lock held too long, disk error) is retried soon.
+    From ``_EARLY`` before a round until it is done, the thread lowers the interpreter's switch
+    interval to ``switch_interval`` (``_SwitchInterval``).
     """
 
     _LOOP_DELAY = 0.0005  # the event loop renews only if the thread has not, this long after the plan
+    _EARLY = 0.025  # lower the switch interval this long before a round: a GIL hand-off at 5 ms, and then some
 
-    def __init__(self, path: str, clock: Clock, busy_timeout: float, name: str, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        path: str,
+        clock: Clock,
+        busy_timeout: float,
+        name: str,
+        loop: asyncio.AbstractEventLoop,
+        switch_interval: float | None,
+    ):
         super().__init__(name=name, daemon=True)
         self._store = _Store(path, busy_timeout=busy_timeout, synchronous="NORMAL", lock_poll=0.0005)
         self._loop_store = _Store(path, busy_timeout=0.0, synchronous="NORMAL")  # never blocks the loop
@@ -1634,6 +1686,8 @@ class _Heartbeats(threading.Thread):
         self._stopped = False
         self._reopen = False
         self._closed = threading.Event()  # set once the thread has closed its connection for a reopen
+        self._switch_interval = switch_interval
+        self._lowered = False
         self.lateness = _Lateness()
 
     def add(self, attempt: _Attempt) -> None:
@@ -1720,6 +1774,18 @@ class _Heartbeats(threading.Thread):
             None if wait is None else self._loop.call_later(max(wait, 0.0) + self._LOOP_DELAY, self._on_loop)
         )
 
+    def _lower_near_round(self, wait: float | None) -> float | None:
+        """Lower the switch interval if the next round is ``_EARLY`` away or less, put it back if
+        not; return how long to sleep before looking again."""
+        near = wait is not None and wait <= self._EARLY
+        if near != self._lowered:
+            if near:
+                _switch_interval.lower(self._switch_interval)
+            else:
+                _switch_interval.restore(self._switch_interval)
+            self._lowered = near
+        return wait if wait is None or near else wait - self._EARLY
+
     def run(self) -> None:
         try:
             while True:
@@ -1728,52 +1794,15 @@ class _Heartbeats(threading.Thread):
                         self._store.close()
                         self._reopen = False
                         self._closed.set()
-                wait = self._renew_due(self._store)
+                wait = self._lower_near_round(self._renew_due(self._store))
                 with self._cond:
                     if self._stopped:
                         return
                     if not self._reopen:
                         self._cond.wait(wait)
         finally:
+            self._lower_near_round(None)
             self._store.close()
-
-
-class _SwitchInterval:
-    """Lowers the interpreter's GIL switch interval while schedulers run, and puts it back after.
-
-    A heartbeat from a thread waits for the GIL at each hand-off (waking up, after the statement,
-    after its reset) whenever another thread computes: a switch interval each, 5 ms by default.
-    At 0.5 ms a renewal is a few ms late instead of 10-30 ms; threads that compute together switch
-    more often, at a cost too small to measure in the benchmarks.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved: float | None = None
-
-    def lower(self, interval: float | None) -> None:
-        if interval is None:
-            return
-        with self._lock:
-            self._users += 1
-            current = sys.getswitchinterval()
-            if current > interval:
-                if self._saved is None:
-                    self._saved = current
-                sys.setswitchinterval(interval)
-
-    def restore(self, interval: float | None) -> None:
-        if interval is None:
-            return
-        with self._lock:
-            self._users -= 1
-            if self._users == 0 and self._saved is not None:
-                sys.setswitchinterval(self._saved)
-                self._saved = None
-
-
-_switch_interval = _SwitchInterval()
 
 
 class _Watchdog:
@@ -2150,8 +2179,8 @@ class Scheduler:
     tests and tuning: ``clock`` (a ``Clock``), ``poll`` (look at the file this often, at most every
     1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
     per job), ``blocked_warning`` (seconds of a blocked event loop before a warning),
-    ``switch_interval`` (the interpreter's GIL switch interval while the scheduler runs, if lower
-    than it was; None leaves it alone).
+    ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
+    it was; None leaves it alone).
     """
 
     def __init__(
@@ -2434,7 +2463,12 @@ class Scheduler:
         self._poked = False
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = _Heartbeats(
-            self.path, self._clock, self._busy_timeout, f"anarchon-heartbeat-{self.instance}", loop
+            self.path,
+            self._clock,
+            self._busy_timeout,
+            f"anarchon-heartbeat-{self.instance}",
+            loop,
+            self._switch_interval,
         )
         self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
         self._timers.start()
@@ -2442,7 +2476,6 @@ class Scheduler:
         loop_state = _LoopState(_Store(self.path, busy_timeout=0.05))
         watch = None if self._polling else _FileWatch.start(self.path, loop, self._wake_up)
         self._idle = _CLOCK_CHECK if watch is not None else self._poll
-        _switch_interval.lower(self._switch_interval)
         try:
             while not self._stopping:
                 self._poked = False  # a wake from now on means: look again after this tick
@@ -2461,7 +2494,6 @@ class Scheduler:
             if watch is not None:
                 watch.close()
             loop_state.watch.close()
-            _switch_interval.restore(self._switch_interval)
             self._timers.stop()
             self._heartbeats.stop()
             if self._store_thread is not None:

@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,6 +97,23 @@ def declare(scheduler: Scheduler) -> None:
         async def blocking(ctx):
             await started(ctx)
             compute(duration)  # never yields: the event loop is blocked the whole time
+
+    elif mode == "two_threads":  # the switch interval's price: two threads computing, the lease renewing
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        def two_threads(ctx):
+            counts = [0, 0]
+
+            def spin(i: int) -> None:
+                end = time.perf_counter() + duration
+                while time.perf_counter() < end:
+                    counts[i] += sum(range(200)) > 0
+
+            other = threading.Thread(target=spin, args=(1,))
+            other.start()
+            spin(0)
+            other.join()
+            emit("work", iterations=sum(counts))
 
     elif mode == "export":  # takeover and hand-over: a long job with a 30 s lease
 

@@ -255,10 +255,14 @@ class IdleProbe:
 
 
 def switch_cost(seconds: float) -> dict[str, Any]:
-    """The price of the 0.5 ms switch interval: the work two computing threads get done in
-    ``seconds`` at 5 ms and at 0.5 ms, alternating three times; the ratio of the medians."""
+    """The price of the switch interval: the work two computing threads get done in ``seconds``.
 
-    def work(interval: float) -> int:
+    In this process, at 5 ms and at 0.5 ms throughout, alternating three times; and in a scheduler
+    process, as a plain-function handler and a thread of its own while the run's lease renews, with
+    the interval lowered around each round (as the scheduler does) and left at 5 ms
+    (``switch_interval=None``), alternating three times. Ratios of the medians."""
+
+    def in_process(interval: float) -> int:
         sys.setswitchinterval(interval)
         counts = [0, 0]
 
@@ -274,16 +278,34 @@ def switch_cost(seconds: float) -> dict[str, Any]:
             t.join()
         return sum(counts)
 
+    def in_scheduler(scenario: str) -> int:
+        with tempfile.TemporaryDirectory() as folder, Fleet(scenario, folder, str(seconds)) as fleet:
+            fleet.start(1)
+            fleet.trigger("hb")
+            work = fleet.wait(lambda e: e["event"] == "work", timeout=seconds + 60)
+            fleet.stop()
+        return int(work["iterations"])
+
     default = sys.getswitchinterval()
     try:
-        at5, at1 = [], []
+        at5, at05 = [], []
         for _ in range(3):
-            at5.append(work(0.005))
-            at1.append(work(0.0005))
+            at5.append(in_process(0.005))
+            at05.append(in_process(0.0005))
     finally:
         sys.setswitchinterval(default)
-    five, one = statistics.median(at5), statistics.median(at1)
-    return {"iterations_5ms": five, "iterations_0_5ms": one, "ratio_0_5ms_to_5ms": one / five}
+    left, lowered = [], []
+    for _ in range(3):
+        left.append(in_scheduler("two_threads_5ms"))
+        lowered.append(in_scheduler("two_threads"))
+    return {
+        "iterations_5ms": statistics.median(at5),
+        "iterations_0_5ms": statistics.median(at05),
+        "ratio_0_5ms_to_5ms": statistics.median(at05) / statistics.median(at5),
+        "scheduler_iterations_left_5ms": statistics.median(left),
+        "scheduler_iterations_lowered_around_rounds": statistics.median(lowered),
+        "ratio_scheduler_lowered_to_left": statistics.median(lowered) / statistics.median(left),
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -363,7 +385,10 @@ def report(results: dict[str, Any]) -> None:
         f"{cpu} CPU s/hour, {i['rss_mb']:.1f} MB RSS, {i['db_writes_per_hour']:.0f} db writes/hour"
     )
     c = results["switch_interval_cost"]
-    print(f"two computing threads, work done at 0.5 ms / 5 ms switch interval: {c['ratio_0_5ms_to_5ms']:.3f}")
+    print(
+        f"two computing threads, work done at 0.5 ms / 5 ms switch interval: {c['ratio_0_5ms_to_5ms']:.3f}; "
+        f"in a handler, lowered around renewals / left at 5 ms: {c['ratio_scheduler_lowered_to_left']:.3f}"
+    )
     for name, r in results.get("peers", {}).items():
         if "error" in r:
             print(f"peer {name}: not measured: {r['error']}")

@@ -776,22 +776,41 @@ def test_a_stop_while_starting_is_kept(db, monkeypatch):
     run(main())
 
 
-def test_the_switch_interval_is_lowered_while_running_and_restored(db):
+def test_the_switch_interval_is_lowered_only_around_renewals(db):
     import sys
 
     before = sys.getswitchinterval()
 
     async def main():
-        seen = []
-        s, t = make(db, instance="s"), make(db, instance="t", switch_interval=None)
-        async with s:
-            seen.append(sys.getswitchinterval())
-            async with t:  # a second scheduler neither lowers nor restores it
-                seen.append(sys.getswitchinterval())
-            seen.append(sys.getswitchinterval())
-        seen.append(sys.getswitchinterval())
-        async with t:
-            seen.append(sys.getswitchinterval())
-        return seen
+        seen: set[float] = set()
 
-    assert run(main()) == [0.0005, 0.0005, 0.0005, before, before]
+        async def sample():
+            while True:
+                seen.add(sys.getswitchinterval())
+                await asyncio.sleep(0.001)
+
+        def rounds(s):
+            return len(s._heartbeats.lateness.samples) if s._heartbeats else 0
+
+        sampler = asyncio.ensure_future(sample())
+        try:
+            s, t = make(db, instance="s"), make(db, instance="t", switch_interval=None)
+            for scheduler in (s, t):
+                scheduler.every("job", "1h", lambda ctx: ctx.signal.sleep_sync(60), lease="0.3s")
+            async with s:
+                await wait_for(lambda: s._ready is not None and s._ready.is_set(), message="s to start")
+                await asyncio.sleep(0.05)
+                assert seen == {before}, "a scheduler with nothing running changed the switch interval"
+                await s.trigger("job")
+                await wait_for(lambda: seen == {before, 0.0005} and rounds(s) >= 2, message="both intervals")
+            assert sys.getswitchinterval() == before
+            seen.clear()
+            async with t:  # switch_interval=None: renewals go on, the interval is never touched
+                await t.trigger("job")
+                await wait_for(lambda: rounds(t) >= 5, message="five renewals of t")
+            assert seen == {before}
+        finally:
+            sampler.cancel()
+
+    run(main())
+    assert sys.getswitchinterval() == before
