@@ -38,6 +38,13 @@ def compute(seconds: float) -> int:
     return n
 
 
+def timed_sum(items: int) -> float:
+    """Seconds taken by ``sum(range(items))``: one C call that never lets go of the GIL."""
+    begin = time.perf_counter()
+    sum(range(items))
+    return time.perf_counter() - begin
+
+
 async def started(ctx) -> None:
     emit("start", job=ctx.job, slot=ctx.slot, attempt=ctx.attempt, late=time.time() - ctx.slot / 1000)
 
@@ -79,6 +86,17 @@ def declare(scheduler: Scheduler) -> None:
             end = time.monotonic() + duration
             while time.monotonic() < end and not ctx.signal.aborted:
                 compute(0.05)
+
+    elif mode == "gil_held":  # the limit: one C call holding the GIL for 2.5 leases stops every thread
+        per_item = timed_sum(10**6) / 10**6
+        items = int(2.5 / per_item)
+
+        @scheduler.every("hb", "24h", lease="1s", overlap="allow")
+        async def gil_held(ctx):
+            await started(ctx)
+            if ctx.attempt == 1:
+                emit("gil_held", seconds=timed_sum(items))
+            await wait_out(ctx, duration)
 
     elif mode == "process":
         pool = concurrent.futures.ProcessPoolExecutor(1)

@@ -16,7 +16,12 @@ def draw(results: dict[str, Any], path: str) -> None:
         samples = sorted(max(s, 1e-3) for s in figures.get("samples_ms", []))
         if samples:
             shares = [(i + 1) / len(samples) for i in range(len(samples))]
-            left.step(samples, shares, where="post", label=f"{mode} (p99 {figures['p99_ms']:.1f} ms)")
+            left.step(
+                samples,
+                shares,
+                where="post",
+                label=f"{mode} (p99 {figures['p99_ms']:.1f} ms, median of {len(figures.get('repetitions', [])) or 1})",
+            )
     left.set_xscale("log")
     left.set_xlabel("heartbeat lateness, ms (log scale)")
     left.set_ylabel("share of renewals")

@@ -30,7 +30,9 @@ def heartbeat_rows(modes: dict[str, Any]) -> list[str]:
     for mode, h in modes.items():
         goal = GOALS_P99_MS.get(mode)
         name = "contended (4 processes)" if mode == "contended" else mode
-        if goal is None:
+        if "gil_held_s" in h:
+            judged, target = "", f"none: one C call held the GIL {h['gil_held_s']:.1f} s (the limit)"
+        elif goal is None:
             judged, target = "", "(default 5 ms switch interval)"
         else:
             judged, target = verdict(h["p99_ms"] <= goal and h["lost_leases"] == 0), f"≤ {goal}"
@@ -83,6 +85,10 @@ def figure_rows(r: dict[str, Any]) -> list[str]:
         row(
             "two computing threads: work done at 0.5 ms / 5 ms switch interval",
             f"{switch['ratio_0_5ms_to_5ms']:.3f}",
+        ),
+        row(
+            "two threads computing in a handler: work done, interval lowered around renewals / left at 5 ms",
+            f"{switch['ratio_scheduler_lowered_to_left']:.3f}",
         ),
     ]
 
