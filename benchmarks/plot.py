@@ -16,11 +16,15 @@ def draw(results: dict[str, Any], path: str) -> None:
         samples = sorted(max(s, 1e-3) for s in figures.get("samples_ms", []))
         if samples:
             shares = [(i + 1) / len(samples) for i in range(len(samples))]
+            reps = len(figures.get("repetitions", []))
+            of = f", median of {reps}" if reps > 1 else ""
+            illustration = mode.endswith("_5ms") or "gil_held_s" in figures
             left.step(
                 samples,
                 shares,
                 where="post",
-                label=f"{mode} (p99 {figures['p99_ms']:.1f} ms, median of {len(figures.get('repetitions', [])) or 1})",
+                linestyle="--" if illustration else "-",
+                label=f"{mode} (p99 {figures['p99_ms']:.1f} ms{of})",
             )
     left.set_xscale("log")
     left.set_xlabel("heartbeat lateness, ms (log scale)")

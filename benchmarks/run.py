@@ -32,7 +32,7 @@ from anarchon_lite import Scheduler
 
 WORKER = os.path.join(HERE, "_worker.py")
 MODES = ["idle", "chunks", "thread", "process", "blocking", "busy_cores", "contended"]
-# the scheduler lowers the GIL switch interval to 0.5 ms while it runs; these keep the default 5 ms
+# the heartbeat thread lowers the GIL switch interval to 0.5 ms around its rounds; these never do
 MODES_5MS = ["thread_5ms", "blocking_5ms", "busy_cores_5ms"]
 # the limit no heartbeat thread can pass: one C call holds the GIL for 2.5 leases (two processes,
 # so that the other one takes the run over)
