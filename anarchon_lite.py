@@ -1704,6 +1704,7 @@ class _Heartbeats(threading.Thread):
         """Stop renewing (call on the event loop's thread)."""
         with self._cond:
             self._stopped = True
+            self._lower_near_round(None)  # put it back now, not when the thread next wakes
             self._cond.notify()
         if self._loop_timer is not None:
             self._loop_timer.cancel()
@@ -1776,7 +1777,7 @@ class _Heartbeats(threading.Thread):
 
     def _lower_near_round(self, wait: float | None) -> float | None:
         """Lower the switch interval if the next round is ``_EARLY`` away or less, put it back if
-        not; return how long to sleep before looking again."""
+        not; return how long to sleep before looking again (call holding ``_cond``)."""
         near = wait is not None and wait <= self._EARLY
         if near != self._lowered:
             if near:
@@ -1794,14 +1795,15 @@ class _Heartbeats(threading.Thread):
                         self._store.close()
                         self._reopen = False
                         self._closed.set()
-                wait = self._lower_near_round(self._renew_due(self._store))
+                wait = self._renew_due(self._store)
                 with self._cond:
                     if self._stopped:
                         return
                     if not self._reopen:
-                        self._cond.wait(wait)
+                        self._cond.wait(self._lower_near_round(wait))
         finally:
-            self._lower_near_round(None)
+            with self._cond:
+                self._lower_near_round(None)
             self._store.close()
 
 
