@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from conftest import run, wait_for
+from conftest import QUIET, run, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -88,8 +88,8 @@ def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog):
             seen.append((ctx.instance, ctx.attempt))
             await ctx.signal.run(done.wait())
 
-        a.every("work", "24h", work, lease="3s")
-        b.every("work", "24h", work, lease="3s")
+        a.every("work", "24h", work, offset=QUIET, lease="3s")
+        b.every("work", "24h", work, offset=QUIET, lease="3s")
         async with a:
             await a.trigger("work")
             await wait_for(lambda: len(seen) == 1, message="the run to start")
@@ -165,11 +165,11 @@ def test_full_disk_while_running(db, monkeypatch):
         s = make(db)
         go, errors = asyncio.Event(), []
 
-        @s.every("first", "24h")
+        @s.every("first", "24h", offset=QUIET)
         async def first(ctx):
             await ctx.checkpoint.set({"kept": True})
 
-        @s.every("export", "24h", lease="2s")
+        @s.every("export", "24h", offset=QUIET, lease="2s")
         async def export(ctx):
             await go.wait()
             while True:
@@ -229,7 +229,7 @@ def test_read_only_directory_names_the_file_and_works_once_writable(tmp_path):
     with read_only_directory(tmp_path) as (directory, make_writable):
         path = str(directory / "jobs.db")
         s = make(path)
-        s.every("job", "1h", lambda ctx: None)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
         with pytest.raises(StoreError) as info:
             run(s.run())
         assert info.value.path == path and path in str(info.value)
@@ -248,7 +248,7 @@ def test_deleted_file_is_recreated_and_the_scheduler_carries_on(db, caplog):
         s = make(db)
         started, reasons = [], []
 
-        @s.every("long", "24h", lease="2s")
+        @s.every("long", "24h", offset=QUIET, lease="2s")
         async def long(ctx):
             started.append(ctx.attempt)
             try:
@@ -346,7 +346,7 @@ def test_a_file_of_the_previous_schema_is_migrated_in_place(db, caplog):
         s = make(db)
         seen = []
 
-        @s.every("export", "24h")
+        @s.every("export", "24h")  # the old file's record is of today's midnight slot
         async def export(ctx):
             seen.append(await ctx.checkpoint.get())
             await ctx.checkpoint.set(1200)

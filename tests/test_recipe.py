@@ -8,7 +8,7 @@ import sqlite3
 import subprocess
 import sys
 
-from conftest import run, wait_for
+from conftest import QUIET, run, wait_for
 
 from anarchon_lite import Scheduler, Shutdown
 
@@ -50,7 +50,7 @@ def test_a_batch_repeated_after_a_crash_is_safe_and_the_timeout_stops_the_job(tm
     async def main():
         s = Scheduler(str(tmp_path / "jobs.db"), poll=0.02)
 
-        @s.every("export", "1h")
+        @s.every("export", "24h", offset=QUIET)
         async def export(ctx):
             after = await s.checkpoints.get("export", ctx.slot) or 0
             while True:
@@ -66,7 +66,7 @@ def test_a_batch_repeated_after_a_crash_is_safe_and_the_timeout_stops_the_job(tm
                 await s.checkpoints.set("export", ctx.slot, after)
             await s.checkpoints.delete("export", ctx.slot)
 
-        @s.every("slow-export", "1h", timeout="200ms")
+        @s.every("slow-export", "24h", offset=QUIET, timeout="200ms")
         async def slow_export(ctx):
             while True:
                 ctx.signal.throw_if_aborted()

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from conftest import run, wait_for
+from conftest import QUIET, run, wait_for
 
 from anarchon_lite import (
     Cancelled,
@@ -170,7 +170,7 @@ def test_handler_ignoring_its_signal_is_cancelled_after_grace(db):
     async def main():
         s = make(db)
 
-        @s.every("stubborn", "1h", timeout="100ms", grace="200ms")
+        @s.every("stubborn", "24h", offset=QUIET, timeout="100ms", grace="200ms")
         async def stubborn(ctx):
             try:
                 await asyncio.sleep(60)
@@ -192,7 +192,7 @@ def test_retries_with_backoff_then_failed(db):
     async def main():
         s = make(db)
 
-        @s.every("flaky", "1h", retries=2, retry_delay="100ms")
+        @s.every("flaky", "24h", offset=QUIET, retries=2, retry_delay="100ms")
         def flaky(ctx):
             attempts.append((ctx.attempt, time.monotonic()))
             raise ValueError(f"boom {ctx.attempt}")
@@ -215,7 +215,7 @@ def test_retry_succeeds(db):
     async def main():
         s = make(db)
 
-        @s.every("second-time", "1h", retries=1, retry_delay="50ms")
+        @s.every("second-time", "24h", offset=QUIET, retries=1, retry_delay="50ms")
         async def handler(ctx):
             if ctx.attempt == 1:
                 raise RuntimeError("first")
@@ -387,7 +387,7 @@ def test_graceful_stop_hands_over_with_checkpoint(db):
         a, b = make(db, instance="a"), make(db, instance="b")
         for s in (a, b):
 
-            @s.every("export", "1h", lease="30s")
+            @s.every("export", "24h", offset=QUIET, lease="30s")
             async def export(ctx):
                 after = await ctx.checkpoint.get(0)
                 log.append((ctx.instance, ctx.attempt, "start", after))
@@ -428,7 +428,7 @@ def test_stop_without_peer_leaves_the_run_for_the_next_start(db):
     async def main():
         a = make(db, instance="a")
 
-        @a.every("job", "1h")
+        @a.every("job", "24h", offset=QUIET)
         async def job(ctx):
             if ctx.attempt == 1:
                 await asyncio.sleep(60)
@@ -439,7 +439,7 @@ def test_stop_without_peer_leaves_the_run_for_the_next_start(db):
             await a.stop(grace="200ms")
         assert [st for _, _, st in await statuses(a)] == ["interrupted"]
         b = make(db, instance="b")
-        b.every("job", "1h", job)
+        b.every("job", "24h", job, offset=QUIET)
         async with b:
             await wait_for(lambda: has(b, "job", "succeeded"))
         assert [(at, st) for _, at, st in await statuses(b)] == [(1, "interrupted"), (2, "succeeded")]
@@ -454,7 +454,7 @@ def test_plain_function_handler_ignoring_shutdown_is_fenced_off(db):
     async def main():
         a = make(db, instance="a")
 
-        @a.every("stuck", "1h", grace="100ms")
+        @a.every("stuck", "24h", offset=QUIET, grace="100ms")
         def stuck(ctx):
             time.sleep(0.8)
             try:
@@ -579,7 +579,7 @@ def test_shutdown_is_not_swallowed_by_except_exception(db):
     async def main():
         s = make(db)
 
-        @s.every("batch", "1h")
+        @s.every("batch", "24h", offset=QUIET)
         async def batch(ctx):
             for _ in range(1000):
                 try:
@@ -637,7 +637,7 @@ def test_blocked_loop_warning_names_the_job(db, caplog):
     async def main():
         s = make(db, blocked_warning=0.3)
 
-        @s.every("hog", "1h")
+        @s.every("hog", "24h", offset=QUIET)
         async def hog(ctx):
             end = time.monotonic() + 1.0
             while time.monotonic() < end:
@@ -674,7 +674,7 @@ def test_transient_store_failures_do_not_stop_the_scheduler(db, monkeypatch, cap
     async def main():
         s = make(db)
 
-        @s.every("steady", "1h", lease="300ms", overlap="allow")
+        @s.every("steady", "24h", offset=QUIET, lease="300ms", overlap="allow")
         async def steady(ctx):
             await asyncio.sleep(0.5)  # several renewals, the first two of which fail
 
@@ -699,7 +699,7 @@ def test_progress_travels_with_the_heartbeat(db):
         s = make(db)
         gate = asyncio.Event()
 
-        @s.every("long", "1h", lease="300ms")
+        @s.every("long", "24h", offset=QUIET, lease="300ms")
         async def long(ctx):
             ctx.progress(3, 10)
             await gate.wait()
@@ -739,7 +739,7 @@ def test_an_idle_scheduler_is_woken_by_other_processes_writes(db):
     async def main():
         worker = Scheduler(db)  # default: woken by writes to the file
         ran = []
-        worker.every("woken", "24h", lambda ctx: ran.append(time.monotonic()))
+        worker.every("woken", "24h", lambda ctx: ran.append(time.monotonic()), offset=QUIET)
         controller = Scheduler(db)
         async with worker:
             await asyncio.sleep(0.2)
@@ -796,7 +796,7 @@ def test_the_switch_interval_is_lowered_only_around_renewals(db):
         try:
             s, t = make(db, instance="s"), make(db, instance="t", switch_interval=None)
             for scheduler in (s, t):
-                scheduler.every("job", "1h", lambda ctx: ctx.signal.sleep_sync(60), lease="0.3s")
+                scheduler.every("job", "24h", lambda ctx: ctx.signal.sleep_sync(60), offset=QUIET, lease="0.3s")
             async with s:
                 await wait_for(lambda: s._ready is not None and s._ready.is_set(), message="s to start")
                 await asyncio.sleep(0.05)

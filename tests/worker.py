@@ -17,6 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from conftest import QUIET  # (this folder is on the path: the script's own)
+
 from anarchon_lite import Aborted, Clock, LeaseLost, Scheduler
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests ask a stuck worker where it is
@@ -90,13 +92,13 @@ async def main():
     if MODE == "every":
         scheduler.every("tick", "500ms", tick)
     elif MODE == "export":
-        scheduler.every("export", "24h", export, lease=LEASE)
+        scheduler.every("export", "24h", export, offset=QUIET, lease=LEASE)
     elif MODE == "block":
-        scheduler.every("block", "24h", block, lease=LEASE)
+        scheduler.every("block", "24h", block, offset=QUIET, lease=LEASE)
     elif MODE == "clock":
         scheduler.every("tick", "1s", tick)
     elif MODE == "spin":
-        scheduler.every("spin", "24h", spin, lease=LEASE)
+        scheduler.every("spin", "24h", spin, offset=QUIET, lease=LEASE)
     runner = asyncio.ensure_future(scheduler.run())
     await asyncio.sleep(0)
     while scheduler._ready is None or not scheduler._ready.is_set():
