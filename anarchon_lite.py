@@ -1614,7 +1614,7 @@ class _SwitchInterval:
     A heartbeat from a thread waits for the GIL at each hand-off (waking up, after the statement,
     after its reset) whenever another thread computes: a switch interval each, 5 ms by default.
     At 0.5 ms a renewal is a few ms late instead of 10-30 ms. Threads that compute together lose
-    about a tenth of their work at 0.5 ms (the benchmark's ``switch_interval_cost``), so the
+    6-18% of their work at 0.5 ms (the benchmark's ``switch_interval_cost``), so the
     heartbeat thread lowers it only from shortly before a round until the round is done: a few
     percent of the time while runs are renewing, never in a process with nothing running.
     Counted, so that several schedulers in one process share it; the last to let go restores it.
@@ -1686,7 +1686,7 @@ class _Heartbeats(threading.Thread):
         self._stopped = False
         self._reopen = False
         self._closed = threading.Event()  # set once the thread has closed its connection for a reopen
-        self._switch_interval = switch_interval
+        self._low_interval = switch_interval
         self._lowered = False
         self.lateness = _Lateness()
 
@@ -1781,9 +1781,9 @@ class _Heartbeats(threading.Thread):
         near = wait is not None and wait <= self._EARLY
         if near != self._lowered:
             if near:
-                _switch_interval.lower(self._switch_interval)
+                _switch_interval.lower(self._low_interval)
             else:
-                _switch_interval.restore(self._switch_interval)
+                _switch_interval.restore(self._low_interval)
             self._lowered = near
         return wait if wait is None or near else wait - self._EARLY
 

@@ -11,10 +11,11 @@ import concurrent.futures
 import json
 import os
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _spin  # (this folder is on the path: the script's own)
 
 from anarchon_lite import Aborted, Scheduler
 
@@ -120,18 +121,7 @@ def declare(scheduler: Scheduler) -> None:
 
         @scheduler.every("hb", "24h", lease="1s", overlap="allow")
         def two_threads(ctx):
-            counts = [0, 0]
-
-            def spin(i: int) -> None:
-                end = time.perf_counter() + duration
-                while time.perf_counter() < end:
-                    counts[i] += sum(range(200)) > 0
-
-            other = threading.Thread(target=spin, args=(1,))
-            other.start()
-            spin(0)
-            other.join()
-            emit("work", iterations=sum(counts))
+            emit("work", iterations=_spin.two_threads(duration))
 
     elif mode == "export":  # takeover and hand-over: a long job with a 30 s lease
 

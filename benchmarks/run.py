@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable
 
@@ -27,6 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+
+from _spin import two_threads
 
 from anarchon_lite import Scheduler
 
@@ -275,19 +276,7 @@ def switch_cost(seconds: float) -> dict[str, Any]:
 
     def in_process(interval: float) -> int:
         sys.setswitchinterval(interval)
-        counts = [0, 0]
-
-        def spin(i: int) -> None:
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                counts[i] += sum(range(200)) > 0
-
-        threads = [threading.Thread(target=spin, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return sum(counts)
+        return two_threads(seconds)
 
     def in_scheduler(scenario: str) -> int:
         with tempfile.TemporaryDirectory() as folder, Fleet(scenario, folder, str(seconds)) as fleet:
