@@ -51,7 +51,7 @@ import threading
 import time
 import traceback
 import zoneinfo
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Generator, Sequence
 from typing import (
     Any,
     Callable,
@@ -74,6 +74,7 @@ __all__ = [
     "CommandFailed",
     "ConfigError",
     "CrontabError",
+    "HandlerEscaped",
     "JobStatus",
     "LeaseLost",
     "RunContext",
@@ -125,6 +126,16 @@ class StoreError(AnarchonError):
         self.path = path
 
 
+class HandlerEscaped(Exception):
+    """A handler raised a ``BaseException`` that is not one of the library's aborts (``SystemExit``,
+    ``KeyboardInterrupt``...), or ``StopIteration``: the attempt is ``failed`` and the process goes
+    on. ``exception`` is what the handler raised."""
+
+    def __init__(self, exception: BaseException):
+        super().__init__(f"{type(exception).__name__}: {exception} (raised by the handler; the process carried on)")
+        self.exception = exception
+
+
 class Aborted(BaseException):
     """Why a cancellation token was aborted.
 
@@ -155,6 +166,7 @@ class Cancelled(Aborted):
 ###############################################################################
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_MAX_DURATION = 100 * 365 * 86400.0  # 100 years: every instant a schedule reaches stays a datetime
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)(?![a-z])")
 
 
@@ -163,8 +175,9 @@ def parse_duration(
 ) -> float:
     """Return a duration in seconds from seconds, a ``timedelta`` or a string such as ``"1h30m"``.
 
-    Units: ``ms``, ``s``, ``m``, ``h``, ``d``, ``w``. Negative and malformed durations, and zero
-    unless ``allow_zero``, raise ``ConfigError`` naming ``job`` and ``option``.
+    Units: ``ms``, ``s``, ``m``, ``h``, ``d``, ``w``. Negative and malformed durations, zero unless
+    ``allow_zero``, and durations over 100 years (``36500d``) raise ``ConfigError`` naming ``job`` and
+    ``option``.
     """
     if isinstance(value, bool):
         raise ConfigError(f"duration must be a number, timedelta or string, not {value!r}", job=job, option=option)
@@ -176,8 +189,10 @@ def parse_duration(
         seconds = _parse_duration_text(value, job, option)
     else:
         raise ConfigError(f"duration must be a number, timedelta or string, not {value!r}", job=job, option=option)
-    if not (seconds >= 0 if allow_zero else seconds > 0) or seconds == float("inf"):
+    if not (seconds >= 0 if allow_zero else seconds > 0):
         raise ConfigError(f"duration must be positive, got {value!r}", job=job, option=option)
+    if seconds > _MAX_DURATION:
+        raise ConfigError(f"duration {value!r} is too long: at most 100 years (36500d)", job=job, option=option)
     return seconds
 
 
@@ -874,6 +889,11 @@ _SQL_RECORD = (
 _SQL_END_ATTEMPT = (
     "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ? WHERE job = ? AND slot = ? AND attempt = ?"
 )
+_SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
+    # keeps the newest records, and a long run must not lose its record to those written while it ran
+    "INSERT OR REPLACE INTO history (job, slot, attempt, status, instance, started_at, finished_at, error, output) "
+    "SELECT job, slot, attempt, ?, instance, started_at, ?, ?, ? FROM history WHERE job = ? AND slot = ? AND attempt = ?"
+)
 _SQL_SLOT_USED = (
     "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
 )
@@ -881,9 +901,10 @@ _SQL_HISTORY = (
     "SELECT job, slot, attempt, status, instance, started_at, finished_at, error, output FROM history "
     "WHERE (? IS NULL OR job = ?) ORDER BY id DESC LIMIT ?"
 )
-_SQL_PRUNE_HISTORY = (
+_SQL_PRUNE_HISTORY = (  # never the records of an unfinished run: it still writes its end there
     "DELETE FROM history WHERE job = ? AND id <= "
-    "(SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?)"
+    "(SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?) "
+    "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
 )
 _SQL_PRUNE_CHECKPOINTS = (
     "DELETE FROM checkpoints WHERE job = ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = checkpoints.job "
@@ -1366,7 +1387,7 @@ class _Store:
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
         if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
             return False
-        conn.execute(_SQL_END_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
+        conn.execute(_SQL_FINISH_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
         if end.then == "done":
             conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
@@ -1944,6 +1965,8 @@ _OVERLAP = ("skip", "allow")
 _CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
 _ON_TIME = 5.0  # seconds: an occurrence found later than this after its time was missed (downtime)
 _MISSED_RECORDS = 100
+_LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, then closed
+_MIN_LEASE = 0.25  # seconds: renewed every third, a renewal may come 160 ms late (10x the worst measured)
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
 _current_attempt: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("anarchon_attempt", default=None)
 
@@ -1979,10 +2002,18 @@ def _options(job: str, given: dict[str, Any]) -> _Options:
     overlap = given.get("overlap", "skip")
     if overlap not in _OVERLAP:
         raise ConfigError(f"must be 'skip' or 'allow', got {overlap!r}", job=job, option="overlap")
+    lease = duration("lease", "30s") or 30.0
+    if lease < _MIN_LEASE:
+        raise ConfigError(
+            f"must be at least {format_duration(_MIN_LEASE)} (renewed every third of it, a shorter lease "
+            f"runs out between renewals and the run bounces between processes), got {given['lease']!r}",
+            job=job,
+            option="lease",
+        )
     return _Options(
         timeout=duration("timeout", None),
         overlap=overlap,
-        lease=duration("lease", "30s") or 30.0,
+        lease=lease,
         retries=count("retries", 0, 0),
         retry_delay=duration("retry_delay", "1s") or 1.0,
         max_attempts=count("max_attempts", 10, 1),
@@ -2104,21 +2135,88 @@ class Checkpoint:
         await self._store._write(self._job, self._slot, None, self._attempt)
 
     def get_sync(self, default: Any = None) -> Any:
-        return self._blocking(self.get(default))
+        """``get`` for a plain-function handler's thread; ``RuntimeError`` on the event loop."""
+        return self._blocking("get", lambda: self.get(default))
 
     def set_sync(self, value: Any) -> None:
+        """``set`` for a plain-function handler's thread; ``RuntimeError`` on the event loop."""
         _to_json(value)
-        self._blocking(self.set(value))
+        self._blocking("set", lambda: self.set(value))
 
     def delete_sync(self) -> None:
-        self._blocking(self.delete())
+        """``delete`` for a plain-function handler's thread; ``RuntimeError`` on the event loop."""
+        self._blocking("delete", self.delete)
 
-    def _blocking(self, coroutine: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(_await(coroutine), self._loop).result()
+    def _blocking(self, name: str, make: Callable[[], Awaitable[T]]) -> T:
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:  # it would wait for the loop it blocks: for ever
+            raise RuntimeError(
+                f"ctx.checkpoint.{name}_sync() called on the event loop (from an async handler): "
+                f"use 'await ctx.checkpoint.{name}(...)' there; the _sync forms are for plain-function handlers"
+            )
+        return asyncio.run_coroutine_threadsafe(_await(make()), self._loop).result()
 
 
 async def _await(coroutine: Awaitable[T]) -> T:
     return await coroutine
+
+
+def _contained(exc: BaseException) -> BaseException:
+    """What a handler's exception becomes on its way to the scheduler: one that cannot stop the
+    event loop (asyncio lets ``SystemExit`` and ``KeyboardInterrupt`` out of a task) or be refused
+    by a future (``StopIteration``)."""
+    if isinstance(exc, (Exception, Aborted, asyncio.CancelledError)) and not isinstance(exc, StopIteration):
+        return exc
+    return HandlerEscaped(exc)
+
+
+class _Driven:
+    """An ``async`` handler's coroutine, stepped for its task by this object instead of by ``await``.
+
+    Exceptions are passed through ``_contained``. ``abandon()`` handles a coroutine that swallows
+    ``CancelledError``: at the next step (the task's next cancel), the coroutine is closed
+    (``GeneratorExit`` at the ``await`` where it waits, so its ``finally`` blocks run) and is never
+    resumed again, whatever it does; the task ends cancelled.
+    """
+
+    def __init__(self, coroutine: Coroutine[Any, Any, Any]):
+        self._coroutine = coroutine
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        self._abandoned = True
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        coroutine = self._coroutine
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = coroutine.send(value) if error is None else coroutine.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            except BaseException as exc:
+                raise _contained(exc) from exc
+            value, error = None, None
+            try:
+                value = yield step
+            except GeneratorExit:
+                coroutine.close()
+                raise
+            except BaseException as exc:  # thrown in by the task: a cancellation
+                if self._abandoned:
+                    self._close()
+                    raise
+                error = exc
+
+    def _close(self) -> None:
+        try:
+            self._coroutine.close()
+        except BaseException as exc:  # noqa: BLE001 - it ignored GeneratorExit too: it is dropped
+            _log.warning("an abandoned handler did not stop when closed: %s: %s", type(exc).__name__, exc)
 
 
 @dataclasses.dataclass
@@ -2203,6 +2301,8 @@ class Scheduler:
         self._poll = 0.5 if poll is None else min(poll, 1.0)
         self._polling = poll is not None
         self._busy_timeout = busy_timeout
+        if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
+            raise ConfigError(f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention")
         self._retention = retention
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
@@ -2218,6 +2318,7 @@ class Scheduler:
         self._main: asyncio.Task[None] | None = None
         self._stopping = False
         self._stop_grace = 10.0
+        self._hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
         self._wake: asyncio.Future[None] | None = None
         self._poked = False
         self._written = False  # the file watch saw a write we may not see committed yet
@@ -2277,6 +2378,8 @@ class Scheduler:
     def _declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"job name must be a non-empty string, not {name!r}")
+        if not name.isprintable():
+            raise ConfigError(f"job name {name!r} has a line break or another control character")
         if name in self._jobs:
             raise ConfigError("a job with this name is already declared", job=name)
         options = _options(name, given)
@@ -2405,7 +2508,12 @@ class Scheduler:
                 loop.remove_signal_handler(signum)
 
     def _on_signal(self, signum: int) -> None:
-        _log.info("received %s: stopping", signal.Signals(signum).name)
+        if self._stopping and self._hurry is not None:
+            if not self._hurry.is_set():
+                _log.warning("received %s again: cutting the grace short", signal.Signals(signum).name)
+                self._hurry.set()
+            return
+        _log.info("received %s: stopping (again to cut the grace short)", signal.Signals(signum).name)
         task = asyncio.get_running_loop().create_task(self.stop())
         self._signal_tasks.add(task)
         task.add_done_callback(self._signal_tasks.discard)
@@ -2457,6 +2565,7 @@ class Scheduler:
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
+        self._hurry = asyncio.Event()
         now_ms = _ms(self._clock.time())
         alone = await self._join()
         on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
@@ -2520,10 +2629,19 @@ class Scheduler:
                 self._wake = None
 
     async def _drain(self) -> None:
-        """After a stop: wait up to the stop grace for the attempts, which hand their runs over."""
+        """After a stop: wait up to the stop grace for the attempts, which hand their runs over;
+        then hurry the rest (cancelled, abandoned) and let them write their ends."""
+        assert self._hurry is not None
         if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=self._stop_grace + 1.0)
-        for task in list(self._tasks):
+            every = asyncio.ensure_future(asyncio.wait(set(self._tasks)))
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            await asyncio.wait({every, hurry}, timeout=self._stop_grace + 0.1, return_when=asyncio.FIRST_COMPLETED)
+            every.cancel()
+            hurry.cancel()
+        self._hurry.set()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=2 * _LAST_WORDS + 5.0)
+        for task in list(self._tasks):  # a store that does not answer: the next owner takes the runs over
             task.cancel()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=1.0)
@@ -2728,25 +2846,46 @@ class Scheduler:
         context = contextvars.copy_context()
         context.run(_current_attempt.set, attempt)
         work: asyncio.Future[Any]
+        driven = None
         if attempt.job.is_async:
-            work = context.run(loop.create_task, _await(attempt.job.handler(ctx)))
+            driven = _Driven(context.run(_await, attempt.job.handler(ctx)))
+            work = context.run(loop.create_task, _await(driven))
         else:
             work = loop.create_future()
             _start_thread(attempt.job.handler, ctx, context, work, loop)
         aborted = asyncio.ensure_future(token.wait())
         try:
             await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                grace = attempt.job.options.grace
-                if isinstance(token.reason, Shutdown):
-                    grace = min(grace, self._stop_grace)
-                await asyncio.wait({work}, timeout=grace)
-            if not work.done() and isinstance(work, asyncio.Task):
+            grace = attempt.job.options.grace
+            if not work.done() and isinstance(token.reason, Shutdown):
+                grace = min(grace, self._stop_grace)
+            await self._within(work, grace)  # the grace to return by itself
+            if not work.done() and driven is not None:
+                work.cancel()  # then CancelledError, and another grace
+                await self._within(work, grace)
+            if not work.done() and driven is not None:
+                driven.abandon()  # it swallowed the cancel: close it at its next await
                 work.cancel()
-                await asyncio.wait({work}, timeout=attempt.job.options.grace)
+                await asyncio.wait({work}, timeout=_LAST_WORDS)
         finally:
             aborted.cancel()
         return _outcome(work, token, attempt.job.options.grace)
+
+    async def _within(self, work: asyncio.Future[Any], seconds: float) -> None:
+        """Wait up to ``seconds`` for ``work``; once the stop is hurried (a second SIGTERM or
+        SIGINT, or the stop's grace ran out), up to ``_LAST_WORDS`` more at most."""
+        hurry = self._hurry
+        if work.done() or hurry is None:
+            if not work.done():
+                await asyncio.wait({work}, timeout=seconds)
+            return
+        waiter = asyncio.ensure_future(hurry.wait())
+        try:
+            await asyncio.wait({work, waiter}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not work.done() and hurry.is_set():
+            await asyncio.wait({work}, timeout=_LAST_WORDS)
 
     async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
         """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced)."""
@@ -2758,7 +2897,8 @@ class Scheduler:
         if outcome.status == "interrupted":
             then, not_before = "handover", now_ms
         elif outcome.retryable and claim.failures < options.retries:
-            then, not_before = "retry", now_ms + _ms(options.retry_delay * 2**claim.failures)
+            backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
+            then, not_before = "retry", now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         for tries in range(60):
             try:
@@ -2863,7 +3003,7 @@ def _start_thread(
         try:
             result = context.run(handler, ctx)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which judges it
-            loop.call_soon_threadsafe(_set_exception, future, exc)
+            loop.call_soon_threadsafe(_set_exception, future, _contained(exc))
         else:
             loop.call_soon_threadsafe(_set_result, future, result)
 
@@ -2929,42 +3069,41 @@ class _Plan:
 def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
     """Decide what to do with the occurrences of ``job`` after ``last_slot`` that are due by now.
 
-    An occurrence found no later than ``_ON_TIME`` after its time runs. Older ones are downtime
-    (no process was running, or the clock jumped forward): if no occurrence is on time, the newest
-    late one runs when it is younger than ``catch_up``; every other late one is recorded as missed
-    (at most ``_MISSED_RECORDS`` records, the last saying how many more).
+    Of the occurrences found due in one look only the newest may run; the older ones are recorded
+    as missed (at most ``_MISSED_RECORDS`` records, the last saying how many more). The newest runs
+    when it is on time (found no later than ``_ON_TIME`` after its time, so that a quick restart
+    loses nothing), or, after downtime (no process was running, or the clock jumped forward), when
+    it is younger than ``catch_up``.
     """
     schedule = job.schedule
-    limit = now_ms - _ms(_ON_TIME)
-    late: list[int] = []
+    older: list[int] = []
     count = 0
     newest: int | None = None
     jumped = False
     cursor = schedule.next_after(last_slot)
-    while cursor is not None and cursor <= limit:
-        count += 1
+    while cursor is not None and cursor <= now_ms:
+        if newest is not None:
+            count += 1
+            if len(older) < _MISSED_RECORDS + 1:
+                older.append(newest)
         newest = cursor
-        if len(late) < _MISSED_RECORDS + 1:
-            late.append(cursor)
-        elif isinstance(schedule, _Every):
-            skip = (limit - cursor) // schedule.interval
+        if len(older) > _MISSED_RECORDS and isinstance(schedule, _Every):
+            skip = (now_ms - cursor) // schedule.interval
             cursor += skip * schedule.interval
             count += skip
             newest = cursor
         elif count > 20_000 and not jumped:  # a calendar schedule across years of outage
             jumped = True
-            cursor = schedule.next_after(max(cursor, limit - 86_400_000 * 8))
+            cursor = schedule.next_after(max(cursor, now_ms - 86_400_000 * 8))
             continue
         cursor = schedule.next_after(cursor)
-    if cursor is not None and cursor <= now_ms:
-        return _Plan(cursor, schedule.next_after(cursor), True, _missed_records(late, count))
     assert newest is not None, "called with nothing due"
     catch_up = job.options.catch_up
-    run = catch_up is not None and now_ms - newest <= catch_up * 1000
-    if run:
-        count -= 1
-        late = [s for s in late if s != newest]
-    return _Plan(newest, schedule.next_after(newest), run, _missed_records(late, count))
+    run = now_ms - newest <= _ms(_ON_TIME) or (catch_up is not None and now_ms - newest <= catch_up * 1000)
+    if not run:
+        count += 1
+        older.append(newest)
+    return _Plan(newest, schedule.next_after(newest), run, _missed_records(older, count))
 
 
 def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]]:

@@ -813,3 +813,177 @@ def test_the_switch_interval_is_lowered_only_around_renewals(db):
 
     run(main())
     assert sys.getswitchinterval() == before
+
+
+# -- what careless handlers and declarations must not do ----------------------------------------
+
+
+@pytest.mark.parametrize("escape", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()], ids=type)
+@pytest.mark.parametrize("kind", ["async", "thread"])
+def test_a_handler_raising_a_base_exception_fails_its_attempt_only(db, escape, kind):
+    async def main():
+        s = make(db)
+
+        async def async_handler(ctx):
+            if ctx.attempt == 1:
+                raise escape
+
+        def thread_handler(ctx):
+            if ctx.attempt == 1:
+                raise escape
+
+        handler = async_handler if kind == "async" else thread_handler
+        s.every("escape", "24h", handler, offset=QUIET, retries=1, retry_delay="50ms")
+        async with s:
+            await s.trigger("escape")
+            await wait_for(lambda: has(s, "escape", "succeeded"))
+        assert [st for _, _, st in await statuses(s)] == ["failed", "succeeded"]
+        failed = [r for r in await s.history("escape") if r.status == "failed"][0]
+        assert type(escape).__name__ in failed.error and "process carried on" in failed.error
+
+    run(main())
+
+
+def test_a_thread_handler_raising_stop_iteration_ends_its_attempt(db):
+    async def main():
+        s = make(db)
+        s.every("empty", "24h", lambda ctx: next(iter([])), offset=QUIET, overlap="skip")
+        async with s:
+            await s.trigger("empty")
+            await wait_for(lambda: has(s, "empty", "failed"), timeout=5)
+            await s.trigger("empty")  # not skipped: the first run is over
+            await wait_for(lambda: has(s, "empty", "failed", 2), timeout=5)
+        records = await s.history("empty")
+        assert [r.status for r in records] == ["failed", "failed"] and "StopIteration" in records[0].error
+
+    run(main())
+
+
+def test_sync_checkpoint_calls_from_an_async_handler_fail_at_once(db):
+    errors = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("wrong-door", "24h", offset=QUIET)
+        async def wrong_door(ctx):
+            for call in (ctx.checkpoint.get_sync, lambda: ctx.checkpoint.set_sync(1), ctx.checkpoint.delete_sync):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+            await ctx.checkpoint.set(2)  # the loop was never blocked
+
+        async with s:
+            slot = await s.trigger("wrong-door")
+            await wait_for(lambda: has(s, "wrong-door", "succeeded"), timeout=5)
+        assert len(errors) == 3 and all("await ctx.checkpoint" in e for e in errors)
+        assert await s.checkpoints.get("wrong-door", slot) == 2
+
+    run(main())
+
+
+def test_a_handler_swallowing_cancellation_is_closed_and_the_stop_hands_it_over(db):
+    closed = []
+
+    async def main():
+        a, b = make(db, instance="a"), make(db, instance="b")
+
+        async def stubborn(ctx):
+            if ctx.instance == "b":
+                return
+            try:
+                while True:
+                    try:
+                        await asyncio.sleep(60)
+                    except asyncio.CancelledError:
+                        pass  # carries on, every time
+            finally:
+                closed.append(ctx.attempt)
+
+        for s in (a, b):
+            s.every("stubborn", "24h", stubborn, offset=QUIET, grace="200ms")
+        async with a:
+            await a.trigger("stubborn")
+            await wait_for(lambda: a._attempts)
+            async with b:
+                started = time.monotonic()
+                await a.stop(grace="200ms")
+                stopped = time.monotonic() - started
+                await wait_for(lambda: has(b, "stubborn", "succeeded"))
+        assert closed == [1] and stopped < 10
+        assert [(att, st) for _, att, st in await statuses(b)] == [(1, "interrupted"), (2, "succeeded")]
+        # nothing of it is left for asyncio.run to wait for at exit
+        assert not [t for t in asyncio.all_tasks() if "stubborn" in repr(t) or "_await" in repr(t)]
+
+    run(main())
+
+
+def test_late_occurrences_found_in_one_look_run_once(db, clock):
+    async def main():
+        first = make(db, clock)
+        first.every("fast", "300ms", lambda ctx: None)
+        async with first:  # the job is registered: its watermark is now
+            pass
+        since = int(clock.time() * 1000)
+        clock.advance(1.5)  # a restart that took 1.5 s: five occurrences came due meanwhile
+        now = int(clock.time() * 1000)
+        due = [slot for slot in range(since // 300 * 300 + 300, now + 1, 300)]
+        for catch_up in (None, "1h"):
+            second = make(db, clock)
+            second.every("fast", "300ms", lambda ctx: None, catch_up=catch_up)
+            async with second:
+                await wait_for(lambda: has(second, "fast", "succeeded", 1 if catch_up is None else 2))
+            if catch_up is None:
+                assert await statuses(second) == [(s, 0, "missed") for s in due[:-1]] + [(due[-1], 1, "succeeded")]
+                clock.advance(0.9)  # three more, all on time; again only the newest runs
+                since, now = now, int(clock.time() * 1000)
+                due = [slot for slot in range(since // 300 * 300 + 300, now + 1, 300)]
+        assert [st for _, _, st in (await statuses(second))[-3:]] == ["missed", "missed", "succeeded"]
+
+    run(main())
+
+
+def test_history_pruning_keeps_the_record_of_a_run_in_progress(db, clock):
+    release = threading.Event()
+
+    async def main():
+        s = make(db, clock, retention=2)
+        s.every("long", "1h", lambda ctx: release.wait(10), overlap="skip")
+        async with s:
+            slot = await s.trigger("long")
+            await wait_for(lambda: s._attempts)
+            for _ in range(5):  # skipped, one after another, while the run goes on
+                await s.trigger("long")
+            await wait_for(lambda: has(s, "long", "skipped", 2))
+            await asyncio.sleep(0.1)
+            release.set()
+            await wait_for(lambda: last_succeeded(s, "long", slot))
+        with pytest.raises(ConfigError, match="retention"):
+            Scheduler(db, retention=0)
+
+    run(main())
+
+
+def test_leases_too_short_to_keep_and_durations_too_long_are_refused():
+    s = Scheduler(":memory:")
+    for options, option in (
+        ({"lease": "1ms"}, "lease"),
+        ({"lease": "200ms"}, "lease"),
+        ({"retry_delay": "999999999999w"}, "retry_delay"),
+        ({"timeout": 10**12}, "timeout"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            s.every("j", "1h", lambda ctx: None, **options)
+        assert info.value.option == option and info.value.job == "j"
+    with pytest.raises(ConfigError) as info:
+        s.every("j", "999999999999w", lambda ctx: None)
+    assert info.value.option == "interval" and "100 years" in str(info.value)
+    s.every("j", "36500d", lambda ctx: None, lease="250ms", retries=10_000, retry_delay="36500d")
+    assert s.upcoming("j", 1)
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "tab\there", "bell\a", "nul\0"])
+def test_job_names_with_control_characters_are_refused(name):
+    with pytest.raises(ConfigError, match="control character"):
+        Scheduler(":memory:").every(name, "1h", lambda ctx: None)
