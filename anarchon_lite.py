@@ -585,13 +585,16 @@ _CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
 )
 
 
+_DIGITS = re.compile(r"[0-9]+\Z")  # str.isdigit() takes "²", which int() refuses
+
+
 def _cron_field(text: str, index: int, job: str) -> list[int]:
     name, low, high, names = _CRON_FIELDS[index]
 
     def number(token: str) -> int:
         value = names.get(token.upper()) if names else None
         if value is None:
-            if not token.isdigit():
+            if not _DIGITS.match(token):
                 raise ConfigError(f"cron {name} field: {token!r} is not a number or name", job=job, option="cron")
             value = int(token)
         if not low <= value <= high:
@@ -603,7 +606,7 @@ def _cron_field(text: str, index: int, job: str) -> list[int]:
         body, _, step_text = item.partition("/")
         step = 1
         if step_text:
-            if not step_text.isdigit() or int(step_text) == 0:
+            if not _DIGITS.match(step_text) or int(step_text) == 0:
                 raise ConfigError(f"cron {name} field: bad step in {item!r}", job=job, option="cron")
             step = int(step_text)
         if body == "*":
@@ -1040,9 +1043,16 @@ class _Store:
     """
 
     def __init__(
-        self, path: str, *, busy_timeout: float = 30.0, synchronous: str = "FULL", lock_poll: float | None = None
+        self,
+        path: str,
+        *,
+        busy_timeout: float = 30.0,
+        synchronous: str = "FULL",
+        lock_poll: float | None = None,
+        read_only: bool = False,
     ):
         self.path = path
+        self._read_only = read_only
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
         # With ``lock_poll``, a single-statement write looks for the lock this often (seconds) instead
@@ -1060,6 +1070,9 @@ class _Store:
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise StoreError(self.path, f"directory {directory} does not exist")
+        if self._read_only:
+            self._conn = self._connect_read_only()
+            return self._conn
         if not os.path.exists(self.path):
             # Create it owner-only. Never open and close an existing file here: closing any
             # descriptor of a file drops every POSIX lock this process holds on it, SQLite's too,
@@ -1073,7 +1086,7 @@ class _Store:
         try:
             conn = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
-            raise StoreError(self.path, f"cannot open the database: {exc}") from None
+            raise StoreError(self.path, f"cannot open the database: {self._explain(exc)}") from None
         try:
             self._prepare(conn)
             if self._lock_poll:
@@ -1084,6 +1097,50 @@ class _Store:
             raise
         self._conn, self._identity = conn, (status.st_dev, status.st_ino)
         return conn
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """Open the file only to read it: nothing is created, switched or migrated. In a directory
+        this process cannot write, with no other process using the file (no ``-wal`` to read), the
+        file is opened as immutable: there is nothing newer than the file itself to see."""
+        if not os.path.exists(self.path):
+            raise StoreError(self.path, "no such database file")
+        import urllib.parse
+
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.access(directory, os.W_OK) and not os.path.exists(self.path + "-wal"):
+            uri += "&immutable=1"
+        try:
+            conn = sqlite3.connect(
+                uri, uri=True, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
+            )
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.Error as exc:
+            raise StoreError(self.path, f"cannot read the database: {self._explain(exc)}") from None
+        if version > SCHEMA_VERSION:
+            conn.close()
+            raise StoreError(
+                self.path, f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})"
+            )
+        if version == 0:
+            conn.close()
+            raise StoreError(self.path, "not an anarchon_lite database (it has no schema)")
+        return conn
+
+    def _explain(self, exc: sqlite3.Error) -> str:
+        """``_explain``, and for a file that cannot be opened, whether permissions are why."""
+        text = _explain(exc)
+        if "unable to open" not in text:
+            return text
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if os.path.exists(self.path) and not os.access(self.path, os.R_OK | (0 if self._read_only else os.W_OK)):
+            return f"permission denied: this process (uid {os.geteuid()}) cannot {'read' if self._read_only else 'write'} it ({text})"
+        if not self._read_only and not os.access(directory, os.W_OK):
+            return (
+                f"permission denied: this process (uid {os.geteuid()}) cannot write its directory {directory}, "
+                f"where the -wal and -shm files live ({text})"
+            )
+        return text
 
     def file_changed(self) -> str | None:
         """``"deleted"`` or ``"replaced"`` if the path no longer names the file this store opened."""
@@ -1110,7 +1167,7 @@ class _Store:
             if version < SCHEMA_VERSION:
                 self._create_schema(conn)
         except sqlite3.DatabaseError as exc:
-            raise StoreError(self.path, _explain(exc)) from None
+            raise StoreError(self.path, self._explain(exc)) from None
 
     def _switch_to_wal(self, conn: sqlite3.Connection) -> None:
         """Put the file in WAL mode. While another process is switching a new file, the switch
@@ -1159,7 +1216,7 @@ class _Store:
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            raise StoreError(self.path, _explain(exc)) from None
+            raise StoreError(self.path, self._explain(exc)) from None
         try:
             result = work(conn)
             conn.execute("COMMIT")
@@ -1171,7 +1228,7 @@ class _Store:
                 except sqlite3.Error:
                     pass
             if isinstance(exc, sqlite3.Error):
-                raise StoreError(self.path, _explain(exc)) from None
+                raise StoreError(self.path, self._explain(exc)) from None
             raise
 
     def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
@@ -2280,7 +2337,9 @@ class Scheduler:
     1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
     per job), ``blocked_warning`` (seconds of a blocked event loop before a warning),
     ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
-    it was; None leaves it alone).
+    it was; None leaves it alone), ``read_only`` (only look at the file, for ``status()`` and
+    ``history()``: a missing file is a ``StoreError``, nothing is created, and the file may be in a
+    directory this process cannot write; such a scheduler cannot run or change anything).
     """
 
     def __init__(
@@ -2294,6 +2353,7 @@ class Scheduler:
         retention: int = 1000,
         blocked_warning: float = 1.0,
         switch_interval: float | None = 0.0005,
+        read_only: bool = False,
     ):
         self.path = os.fspath(path)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
@@ -2306,6 +2366,7 @@ class Scheduler:
         self._retention = retention
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
+        self._read_only = read_only
         self._jobs: dict[str, _Job] = {}
         self._store_thread: _StoreThread | None = None
         self._registered = False
@@ -2424,7 +2485,8 @@ class Scheduler:
         """Run ``work(store)`` on the store's own thread; the transaction completes even if the
         awaiting task is cancelled."""
         if self._store_thread is None:
-            self._store_thread = _StoreThread(_Store(self.path, busy_timeout=self._busy_timeout))
+            store = _Store(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only)
+            self._store_thread = _StoreThread(store)
             self._store_thread.store.retention = self._retention
         thread = self._store_thread
         if not self._registered and self._jobs:
@@ -2489,6 +2551,8 @@ class Scheduler:
 
     async def run(self) -> None:
         """Run the scheduler until ``stop()`` (or SIGTERM/SIGINT, when on the main thread)."""
+        if self._read_only:
+            raise ConfigError("a read-only scheduler only looks at the file: it cannot run", option="read_only")
         self._stopping = False  # a stop from now on, even while starting, is kept
         loop = asyncio.get_running_loop()
         installed = []
@@ -3198,7 +3262,7 @@ def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
         key = key.lower()
         if key not in _CRONTAB_OPTIONS:
             raise CrontabError(path, number, f"unknown option {key!r} (known: {', '.join(_CRONTAB_OPTIONS)})")
-        options[key] = int(value) if key in ("retries", "max_attempts") and value.isdigit() else value
+        options[key] = int(value) if key in ("retries", "max_attempts") and _DIGITS.match(value) else value
     return options
 
 
@@ -3222,9 +3286,34 @@ def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], optio
         if len(fields) < 6:
             raise CrontabError(path, number, "expected 5 schedule fields and a command")
         kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
+    problem = _command_problem(command, env)
+    if problem:
+        raise CrontabError(path, number, problem)
     digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
     name = str(options.pop("name", None) or f"{kind}-{digest}")
     return _CrontabEntry(number, name, kind, spec, command, env, options)
+
+
+_ARG_LIMIT = 131072  # bytes in one argument of execve on Linux (MAX_ARG_STRLEN), the terminating NUL included
+
+
+def _command_problem(command: str, env: dict[str, str]) -> str | None:
+    """What makes a crontab command impossible to run, found before anything starts, or None."""
+    if "\0" in command:
+        return "the command has a NUL character in it"
+    size = len(command.encode(errors="surrogateescape"))
+    if size >= _ARG_LIMIT:
+        return f"the command is {size} bytes, more than the {_ARG_LIMIT - 1} the system takes in one argument: put it in a script"
+    shell = env.get("SHELL", "/bin/sh")
+    if _find_program(shell, env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
+        return f"SHELL={shell}: no such executable file"
+    return None
+
+
+def _find_program(name: str, path: str) -> str | None:
+    """Where ``name`` is found as an executable file (``execvp``'s search), or None."""
+    candidates = [name] if "/" in name else [os.path.join(d or ".", name) for d in path.split(os.pathsep)]
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
 def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
@@ -3368,30 +3457,47 @@ def _print_history(records: list[RunRecord], as_json: bool) -> None:
 
 
 def _run_crontab(scheduler: Scheduler, path: str) -> None:
+    def reload() -> None:
+        try:
+            fresh = Scheduler(scheduler.path)
+            _declare_crontab(fresh, _parse_crontab(_read_crontab(path), path), path)
+        except (ConfigError, OSError) as exc:
+            _log.error("SIGHUP: keeping the current table: %s", exc)
+            return
+        scheduler._jobs = fresh._jobs
+        scheduler._registered = False
+        scheduler._poke()
+        _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh._jobs))
+
+    _serve(scheduler, reload)
+
+
+def _run_target(scheduler: Scheduler, target: str) -> None:
+    def reload() -> None:
+        _log.info("SIGHUP: nothing to reload for run %s (restart the process to load new code)", target)
+
+    _serve(scheduler, reload)
+
+
+def _serve(scheduler: Scheduler, on_sighup: Callable[[], None]) -> None:
+    """Run ``scheduler`` on a new event loop; SIGHUP calls ``on_sighup`` (it never kills the process)."""
+
     async def serve() -> None:
-        loop = asyncio.get_running_loop()
-
-        def reload() -> None:
-            try:
-                fresh = Scheduler(scheduler.path)
-                _declare_crontab(fresh, _parse_crontab(_read_file(path), path), path)
-            except (ConfigError, OSError) as exc:
-                _log.error("SIGHUP: keeping the current table: %s", exc)
-                return
-            scheduler._jobs = fresh._jobs
-            scheduler._registered = False
-            scheduler._poke()
-            _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh._jobs))
-
-        loop.add_signal_handler(signal.SIGHUP, reload)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
         await scheduler.run()
 
     asyncio.run(serve())
 
 
-def _read_file(path: str) -> str:
-    with open(path, encoding="utf-8") as handle:
-        return handle.read()
+def _read_crontab(path: str) -> str:
+    """The text of a crontab file; ``CrontabError`` with the line of the first byte that is not UTF-8."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise CrontabError(path, line, f"the file is not UTF-8 (byte 0x{data[exc.start]:02x}); save it as UTF-8") from None
 
 
 def _load_scheduler(target: str) -> Scheduler:
@@ -3399,7 +3505,19 @@ def _load_scheduler(target: str) -> Scheduler:
     if not module_name or not attribute:
         raise ConfigError(f"expected MODULE:ATTRIBUTE, got {target!r}")
     sys.path.insert(0, os.getcwd())
-    found = getattr(importlib.import_module(module_name), attribute)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name.partition(".")[0] and exc.name != module_name:
+            raise ConfigError(f"cannot import {module_name}: {exc}") from None
+        raise ConfigError(
+            f"no module named {module_name!r} (run from the directory that holds it, or set PYTHONPATH)"
+        ) from None
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name}: {exc}") from None
+    if not hasattr(module, attribute):
+        raise ConfigError(f"module {module_name!r} has no attribute {attribute!r}")
+    found = getattr(module, attribute)
     if not isinstance(found, Scheduler) and callable(found):
         found = found()
     if not isinstance(found, Scheduler):
@@ -3407,10 +3525,23 @@ def _load_scheduler(target: str) -> Scheduler:
     return found
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, as every other error of the command line
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def _log_level(text: str) -> str:
+    if not isinstance(logging.getLevelName(text.upper()), int):
+        raise argparse.ArgumentTypeError(f"unknown level {text!r} (debug, info, warning, error, critical)")
+    return text.upper()
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
+    parser = _Parser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
     parser.add_argument("--db", default=os.environ.get("ANARCHON_DB"), help="the database file (default: $ANARCHON_DB)")
-    parser.add_argument("--log-level", default="INFO", help="logging level for run and crontab (default: INFO)")
+    parser.add_argument(
+        "--log-level", default="INFO", type=_log_level, help="logging level for run and crontab (default: INFO)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="every job, its next occurrence and running attempts")
     status.add_argument("--json", action="store_true")
@@ -3442,21 +3573,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command in ("run", "crontab"):
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "run":
-        scheduler = _load_scheduler(args.target)
-        asyncio.run(scheduler.run())
+        _run_target(_load_scheduler(args.target), args.target)
         return 0
     if not args.db:
         raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")
     if args.command == "crontab":
         scheduler = Scheduler(args.db)
-        _declare_crontab(scheduler, _parse_crontab(_read_file(args.file), args.file), args.file)
+        _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0
-    if args.command not in ("status", "history") and not os.path.exists(args.db):
+    if not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
-    scheduler = Scheduler(args.db)
+    scheduler = Scheduler(args.db, read_only=args.command in ("status", "history"))
     if args.command == "status":
         _print_status(asyncio.run(scheduler.status()), args.json)
     elif args.command == "history":

@@ -211,3 +211,131 @@ def test_sighup_rereads_the_file_and_keeps_the_old_table_on_a_bad_edit(tmp_path,
     assert proc.poll() is None
     log = (tmp_path / "daemon-0.log").read_text()
     assert "keeping the current table" in log and "crontab:2:" in log
+
+
+# -- signals, files and mistakes ----------------------------------------------------------------
+
+
+def write_jobs(tmp_path, db, body):
+    (tmp_path / "myjobs.py").write_text(
+        f"import asyncio, time\nfrom anarchon_lite import Scheduler\nscheduler = Scheduler({db!r})\n{body}"
+    )
+
+
+def start_run(tmp_path, daemons):
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "anarchon_lite", "run", "myjobs:scheduler"],
+            cwd=tmp_path,
+            env=ENV,
+            stdout=log,
+            stderr=log,
+        )
+    daemons.procs.append(proc)
+    return proc
+
+
+def test_sighup_to_run_is_harmless_and_a_second_interrupt_cuts_the_grace_short(tmp_path, daemons):
+    db = str(tmp_path / "jobs.db")
+    write_jobs(
+        tmp_path,
+        db,
+        "@scheduler.every('deaf', '24h', grace='60s')\n"
+        "def deaf(ctx):\n"
+        "    time.sleep(120)  # ignores its signal\n",
+    )
+    proc = start_run(tmp_path, daemons)
+    wait_until(lambda: os.path.exists(db) and "deaf" in cli(db, "status").stdout, what="registered")
+    proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "nothing to reload" in (tmp_path / "run.log").read_text(), what="the SIGHUP logged")
+    cli(db, "trigger", "deaf")
+    wait_until(lambda: "attempt 1 running" in cli(db, "status").stdout, what="the run")
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    wait_until(lambda: "again to cut" in (tmp_path / "run.log").read_text(), what="the first SIGINT")
+    time.sleep(0.5)  # well inside the 60 s grace
+    assert proc.poll() is None
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 0 and time.monotonic() - started < 10
+    assert [r["status"] for r in history(db, "deaf")] == ["interrupted"]
+
+
+def test_read_only_commands_refuse_a_missing_file_and_create_nothing(tmp_path):
+    missing = str(tmp_path / "typo.db")
+    for command in (["status"], ["history"], ["trigger", "x"], ["pause", "x"]):
+        done = cli(missing, *command, check=False)
+        assert done.returncode == 2 and "no such database file" in done.stderr and "Traceback" not in done.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_status_and_history_work_in_a_read_only_directory(tmp_path):
+    from test_faults import read_only_directory
+
+    with read_only_directory(tmp_path) as (directory, make_writable):
+        make_writable()
+        db = str(directory / "jobs.db")
+        crontab = tmp_path / "crontab"
+        crontab.write_text("# name: once\n@every 24h true\n")
+        cli(db, "trigger", "once", check=False)  # the file does not exist yet: refused
+        subprocess.run(
+            [sys.executable, "-c", f"import anarchon_lite as a, asyncio; s = a.Scheduler({db!r}); "
+             "s.every('once', '24h', lambda ctx: None); asyncio.run(s.trigger('once'))"],
+            env=ENV,
+            check=True,
+        )
+        make_read_only = subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], capture_output=True)
+        if os.geteuid() != 0:
+            os.chmod(directory, 0o500)
+        else:
+            assert make_read_only.returncode == 0
+        status = json.loads(cli(db, "status", "--json").stdout)
+        assert [j["name"] for j in status] == ["once"] and status[0]["runs"][0]["state"] == "pending"
+        assert cli(db, "history").returncode == 0
+        assert sorted(os.listdir(directory)) == ["jobs.db"]
+
+
+def bad_crontab(tmp_path, content, *expected):
+    crontab = tmp_path / "crontab"
+    crontab.write_bytes(content if isinstance(content, bytes) else content.encode())
+    done = cli(str(tmp_path / "jobs.db"), "crontab", str(crontab), check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    for text in expected:
+        assert text in done.stderr, done.stderr
+    assert not os.path.exists(tmp_path / "jobs.db")
+
+
+def test_crontab_mistakes_are_one_line_with_file_and_line(tmp_path):
+    path = str(tmp_path / "crontab")
+    bad_crontab(tmp_path, b"# caf\xc3\xa9\n@hourly true\n# \xe9t\xe9\n", f"{path}:3:", "not UTF-8")
+    bad_crontab(tmp_path, "\n\n*/\u00b2 * * * * true\n", f"{path}:3:", "minute")
+    bad_crontab(tmp_path, "1 \u00b2 * * * true\n", f"{path}:1:", "hour")
+    bad_crontab(tmp_path, "@hourly echo a\0b\n", f"{path}:1:", "NUL")
+    bad_crontab(tmp_path, "@hourly echo " + "x" * 200_000 + "\n", f"{path}:1:", "put it in a script")
+    bad_crontab(tmp_path, "SHELL=/bin/no-such-shell\n\n@hourly true\n", f"{path}:3:", "SHELL=/bin/no-such-shell")
+    bad_crontab(tmp_path, "@every 999999999999w true\n", f"{path}:1:", "100 years")
+    bad_crontab(tmp_path, "# name: j, lease: 1ms\n@hourly true\n", f"{path}:2:", "lease")
+
+
+def test_command_line_mistakes_are_one_line(tmp_path):
+    db = str(tmp_path / "jobs.db")
+    for args, expected in (
+        (["run", "no_such_module:scheduler"], "no module named 'no_such_module'"),
+        (["run", "myjobs:nothing"], "has no attribute 'nothing'"),
+        (["run", "broken:scheduler"], "cannot import broken: No module named 'not_installed'"),
+        (["--log-level", "LOUD", "status"], "unknown level 'LOUD'"),
+    ):
+        write_jobs(tmp_path, db, "")
+        (tmp_path / "broken.py").write_text("import not_installed\n")
+        done = subprocess.run(
+            [sys.executable, "-m", "anarchon_lite", "--db", db, *args],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.startswith("anarchon-lite") and done.stderr.count("\n") == 1, done.stderr
+        assert expected in done.stderr, done.stderr
