@@ -773,7 +773,7 @@ def _rule_text(rule: _rrule.rrule) -> str:
 # The SQLite store ############################################################
 ###############################################################################
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = (
     # One row per declared job: its pause flag and its watermark (every occurrence up to
     # ``last_slot`` has been handled: run, skipped or missed).
@@ -782,7 +782,9 @@ _SCHEMA = (
         schedule TEXT NOT NULL,
         paused INTEGER NOT NULL DEFAULT 0,
         last_slot INTEGER NOT NULL,
-        next_slot INTEGER
+        next_slot INTEGER,
+        definition TEXT,
+        declared_by TEXT
     )""",
     # One row per unfinished occurrence: waiting to be claimed, or running under a lease.
     """CREATE TABLE IF NOT EXISTS runs (
@@ -803,6 +805,7 @@ _SCHEMA = (
         progress_done REAL,
         progress_total REAL,
         started_at INTEGER,
+        process_group TEXT,
         PRIMARY KEY (job, slot)
     )""",
     # One row per attempt, and per skipped or missed occurrence (attempt 0).
@@ -844,6 +847,11 @@ _SCHEMA = (
 # Every step only adds, so a process of the previous version still running on the file keeps working.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE checkpoints ADD COLUMN attempt INTEGER",),
+    3: (
+        "ALTER TABLE jobs ADD COLUMN definition TEXT",
+        "ALTER TABLE jobs ADD COLUMN declared_by TEXT",
+        "ALTER TABLE runs ADD COLUMN process_group TEXT",
+    ),
 }
 
 _SQL_REGISTER = (
@@ -876,6 +884,8 @@ _SQL_RENEW_ALL = (  # {rows}: one "(?, ?, ?)" per attempt
     "AND (job, slot, attempt) IN (VALUES {rows})"
 )
 _SQL_PROGRESS = f"UPDATE runs SET progress_done = ?, progress_total = ? WHERE {_SQL_FENCE}"
+_SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = ? WHERE {_SQL_FENCE}"
+_SQL_PROCESS_GROUP = "SELECT process_group FROM runs WHERE job = ? AND slot = ?"
 _SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
 _SQL_RELEASE = (
     "UPDATE runs SET state = 'pending', not_before = ?, failures = failures + ?, owner = NULL, "
@@ -1400,6 +1410,16 @@ class _Store:
     def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
         self._autocommit(_SQL_PROGRESS, (*progress, claim.job, claim.slot, claim.attempt, owner))
 
+    def set_process_group(self, claim: _Claim, owner: str, group: str) -> bool:
+        """Record, fenced, the process group that ``claim``'s attempt started (JSON), so that a later
+        attempt of the run can make sure it is gone first. Returns whether it was written."""
+        return self._autocommit(_SQL_SET_PROCESS_GROUP, (group, claim.job, claim.slot, claim.attempt, owner)) == 1
+
+    def process_group(self, job: str, slot: int) -> str | None:
+        """The process group last recorded by an attempt of (job, slot), or None."""
+        rows = self._read(_SQL_PROCESS_GROUP, (job, slot))
+        return rows[0][0] if rows else None
+
     def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
         """One write statement, its own transaction; returns the number of rows it changed."""
         conn = self._connect()
@@ -1581,11 +1601,59 @@ def _read_text(path: str) -> str | None:
 
 def _process_start(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
+    fields = _process_stat(pid)
+    return None if fields is None else (fields[0], int(fields[19]))
+
+
+def _process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
     text = _read_text(f"/proc/{pid}/stat")
-    if text is None:
+    return None if text is None else text[text.rfind(")") + 2 :].split()
+
+
+def _group_record(pgid: int, me: _Owner) -> str:
+    """What identifies a process group that this process just started: its id, the leader's start
+    time (a reused pid is told apart), the boot and the pid namespace (JSON, kept with the run)."""
+    started = _process_start(pgid)
+    return json.dumps({"pgid": pgid, "start": started[1] if started else None, "boot": me.boot_id, "ns": me.namespace})
+
+
+def _group_members(pgid: int) -> list[str]:
+    """``pid name`` of the live processes of process group ``pgid`` (Linux: from /proc; elsewhere
+    only whether there are any)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        return ["processes of another user"]
+    if not os.path.isdir("/proc/self"):
+        return ["processes"]
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _process_stat(int(name))
+            if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
+                found.append(f"{name} ({comm})")
+    return found
+
+
+def _group_alive(record: str, me: _Owner) -> bool | None:
+    """Whether the process group of ``record`` (from ``_group_record``) still has members; None
+    when this process cannot tell (another boot's group is gone; another pid namespace's is unseen)."""
+    group = json.loads(record)
+    if group.get("boot") and me.boot_id and group["boot"] != me.boot_id:
+        return False
+    if group.get("ns") != me.namespace:
         return None
-    fields = text[text.rfind(")") + 2 :].split()
-    return fields[0], int(fields[19])
+    pgid = int(group["pgid"])
+    if not _group_members(pgid):
+        return False
+    leader = _process_stat(pgid)
+    if leader is None or leader[0] in ("Z", "X") or int(leader[19]) == group.get("start"):
+        return True  # the leader, or what it left in its group (a pid is not reused while its group lives)
+    return int(leader[2]) != pgid  # the pid is another process's now; group pgid is ours unless it leads it
 
 
 def _this_owner(instance: str) -> _Owner:
@@ -2289,6 +2357,8 @@ class RunContext:
     instance: str
     log: logging.LoggerAdapter  # type: ignore[type-arg]
     _attempt: _Attempt = dataclasses.field(repr=False)
+    _store: Callable[[Callable[[_Store], Any]], Awaitable[Any]] = dataclasses.field(repr=False)
+    _owner: _Owner = dataclasses.field(repr=False)
 
     def progress(self, done: float, total: float | None = None) -> None:
         """Report progress; it travels with the next heartbeat, never as a write of its own."""
@@ -2899,6 +2969,8 @@ class Scheduler:
             instance=self.instance,
             log=logger,
             _attempt=attempt,
+            _store=self._call_store,
+            _owner=self._owner,
         )
 
     async def _call_handler(self, attempt: _Attempt) -> _Outcome:
@@ -3332,7 +3404,13 @@ def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: s
 
 
 def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext], Awaitable[str]]:
-    """A handler that runs ``$SHELL -c command`` in a process group of its own."""
+    """A handler that runs ``$SHELL -c command`` in a process group of its own, one copy at a time.
+
+    Before it starts, the process group of an earlier attempt of the same run (a takeover after a
+    crash) is ended if it still lives on this host. The command waits at a gate until its group is
+    recorded with the run, and a reaper outside the group ends the group if this process dies. The
+    run ends when the shell exits; what it leaves in its group is ended and the output says so.
+    """
 
     async def run_command(ctx: RunContext) -> str:
         shell = env.get("SHELL", "/bin/sh")
@@ -3344,33 +3422,40 @@ def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext]
             "ANARCHON_ATTEMPT": str(ctx.attempt),
             "ANARCHON_SCHEDULED_AT": ctx.scheduled_at.isoformat(),
         }
-        proc = await asyncio.create_subprocess_exec(
-            shell,
-            "-c",
-            command,
-            stdin=asyncio.subprocess.DEVNULL,
+        await _end_previous_group(ctx)
+        proc, exited = await _spawn(
+            ("/bin/sh", "-c", _GATE, shell, command),
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=variables,
             start_new_session=True,
         )
+        reaper: asyncio.subprocess.Process | None = None
         tail = bytearray()
         reader = asyncio.ensure_future(_read_tail(proc, tail))
-        aborted = asyncio.ensure_future(ctx.signal.wait())
         try:
-            await asyncio.wait({reader, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            if not reader.done():
-                _kill_group(proc.pid, signal.SIGTERM)
-                ctx.log.info("sent SIGTERM to the command's process group")
-                await asyncio.wait({reader}, timeout=_GROUP_GRACE)
-                _kill_group(proc.pid, signal.SIGKILL)
-            await reader
-            code = await proc.wait()
+            claim, owner = ctx._attempt.claim, ctx._attempt.owner
+            record = _group_record(proc.pid, ctx._owner)
+            if not await ctx._store(lambda s: s.set_process_group(claim, owner, record)):
+                raise LeaseLost(f"{ctx.job}: the run was taken over before its command started")
+            reaper = await _start_reaper(proc.pid)
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")  # through the gate
+            proc.stdin.close()
+            code, left = await _wait_command(ctx, proc, exited, reader)
         finally:
-            aborted.cancel()
-            if proc.returncode is None:
+            if not exited.done():
                 _kill_group(proc.pid, signal.SIGKILL)
+                await exited
+            reader.cancel()
+            if reaper is not None:
+                await _stop_reaper(reaper)
         output = bytes(tail).decode(errors="replace")
+        if left:
+            output = (output + f"\nanarchon-lite: the command left {left} in its process group; ended them\n")[
+                -_OUTPUT_TAIL:
+            ]
         ctx.signal.throw_if_aborted()
         if code != 0:
             raise CommandFailed(code, output)
@@ -3379,7 +3464,121 @@ def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext]
     return run_command
 
 
+# The command's first process: it waits for one line on stdin ("go", once its process group is
+# recorded with the run), then becomes ``$SHELL -c COMMAND`` with stdin from /dev/null. If the
+# scheduler dies first, the line never comes and the command never starts.
+_GATE = 'read -r go && [ "$go" = go ] || exit 125; exec "$0" -c "$1" </dev/null'
+# Outside the command's group: ends the group when the scheduler lets go of its stdin without
+# saying "done" first, which is what its death does (kill -9, the OOM killer included).
+_REAPER = (
+    'read -r word; [ "$word" = done ] && exit 0; '
+    'kill -s TERM -- "-$0" 2>/dev/null || exit 0; sleep 5; kill -s KILL -- "-$0" 2>/dev/null; exit 0'
+)
 _GROUP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for an aborted command's process group
+
+
+async def _end_previous_group(ctx: RunContext) -> None:
+    """Make sure the command of an earlier attempt of this run is gone before starting another."""
+    slot, job = ctx.slot, ctx.job
+    record = await ctx._store(lambda s: s.process_group(job, slot))
+    if record is None:
+        return
+    alive = _group_alive(record, ctx._owner)
+    if alive is None:
+        ctx.log.warning("an earlier attempt's command ran in another pid namespace: it cannot be checked from here")
+        return
+    if not alive:
+        return
+    pgid = int(json.loads(record)["pgid"])
+    ctx.log.warning("an earlier attempt's command is still running (process group %d): ending it first", pgid)
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        _kill_group(pgid, signum)
+        deadline = time.monotonic() + _GROUP_GRACE
+        while time.monotonic() < deadline and _group_alive(record, ctx._owner):
+            await asyncio.sleep(0.02)
+        if not _group_alive(record, ctx._owner):
+            return
+    raise CommandFailed(-1, f"the command of an earlier attempt (process group {pgid}) could not be ended")
+
+
+async def _start_reaper(pgid: int) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        _REAPER,
+        str(pgid),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+async def _stop_reaper(reaper: asyncio.subprocess.Process) -> None:
+    assert reaper.stdin is not None
+    try:
+        reaper.stdin.write(b"done\n")
+        reaper.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    try:
+        await asyncio.wait_for(reaper.wait(), 5.0)
+    except asyncio.TimeoutError:
+        reaper.kill()
+        await reaper.wait()
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """The stream protocol of ``create_subprocess_exec``, and a future set when the process exits:
+    ``Process.wait()`` (before Python 3.12) waits for its output pipes to close too, which a
+    background child of the command can keep open for ever."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop):
+        super().__init__(limit, loop)
+        self.exited: asyncio.Future[int] = loop.create_future()
+
+    def process_exited(self) -> None:
+        code = self._transport.get_returncode()  # type: ignore[attr-defined]
+        if not self.exited.done() and code is not None:
+            self.exited.set_result(code)
+        super().process_exited()  # (which may let go of the transport)
+
+
+async def _spawn(args: Sequence[str], **options: Any) -> tuple[asyncio.subprocess.Process, asyncio.Future[int]]:
+    """``create_subprocess_exec``, with a future of the exit code that does not wait for the pipes."""
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(lambda: _ExitProtocol(2**16, loop), *args, **options)
+    return asyncio.subprocess.Process(transport, protocol, loop), protocol.exited
+
+
+async def _wait_command(
+    ctx: RunContext, proc: asyncio.subprocess.Process, exited: asyncio.Future[int], reader: asyncio.Future[None]
+) -> tuple[int, str]:
+    """Wait for the shell to exit, or end its group on abort. Returns (exit code, what was left in
+    the group when the shell exited: a description, empty if nothing)."""
+    aborted = asyncio.ensure_future(ctx.signal.wait())
+    left = ""
+    try:
+        await asyncio.wait({exited, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():
+            _kill_group(proc.pid, signal.SIGTERM)
+            ctx.log.info("sent SIGTERM to the command's process group")
+            await asyncio.wait({exited}, timeout=_GROUP_GRACE)
+        else:
+            left = ", ".join(_group_members(proc.pid))
+            if left:
+                ctx.log.warning("the command exited and left %s in its process group: ending them", left)
+                _kill_group(proc.pid, signal.SIGTERM)
+                deadline = time.monotonic() + _GROUP_GRACE
+                while _group_members(proc.pid) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+        if _group_members(proc.pid):  # (only while it has members: a group id is reused once empty)
+            _kill_group(proc.pid, signal.SIGKILL)
+        code = await exited
+        await asyncio.wait({reader}, timeout=1.0)  # the rest of the output, from processes now gone
+    finally:
+        aborted.cancel()
+    return code, left
 
 
 async def _read_tail(proc: asyncio.subprocess.Process, tail: bytearray) -> None:

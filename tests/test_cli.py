@@ -339,3 +339,86 @@ def test_command_line_mistakes_are_one_line(tmp_path):
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("anarchon-lite") and done.stderr.count("\n") == 1, done.stderr
         assert expected in done.stderr, done.stderr
+
+
+def marks(path):
+    """(kind, attempt, time) of each line a marking command wrote."""
+    if not path.exists():
+        return []
+    return [(k, int(a), float(t)) for k, a, t in (line.split() for line in path.read_text().splitlines())]
+
+
+def owner_pid(db, job):
+    runs = {j["name"]: j for j in json.loads(cli(db, "status", "--json").stdout)}[job]["runs"]
+    return int(runs[0]["owner"].split("-")[-2]) if runs and runs[0]["state"] == "running" else None
+
+
+def children(pid):
+    """(pid, command line) of the processes whose parent is ``pid``."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as handle:
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append((int(name), cmdline))
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("reaper", ["reaper", "no reaper"])
+def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, reaper):
+    db, out = str(tmp_path / "jobs.db"), tmp_path / "marks.txt"
+    crontab = tmp_path / "crontab"
+    mark = f'echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}'
+    crontab.write_text(f"# name: once\n@every 24h {mark.format('start')}; sleep 6; {mark.format('end')}\n")
+    for _ in range(2):
+        daemons.start("--db", db, "crontab", str(crontab))
+    wait_until(lambda: os.path.exists(db) and "once" in cli(db, "status").stdout, what="registered")
+    time.sleep(0.5)  # both have joined
+    cli(db, "trigger", "once")
+    wait_until(lambda: marks(out), what="attempt 1 to start")
+    owner = owner_pid(db, "once")
+    spawned = children(owner)
+    shell = [pid for pid, cmdline in spawned if "sleep 6" in cmdline]
+    assert shell, spawned
+    if reaper == "no reaper":  # the second line of defence alone: the takeover ends the old group
+        for pid, cmdline in spawned:
+            if "read -r word" in cmdline:
+                os.kill(pid, signal.SIGKILL)
+    os.kill(owner, signal.SIGKILL)
+    wait_until(lambda: any(k == "end" and a == 2 for k, a, _ in marks(out)), timeout=30, what="attempt 2 to end")
+    got = marks(out)
+    starts = {a: t for k, a, t in got if k == "start"}
+    ends = {a: t for k, a, t in got if k == "end"}
+    assert sorted(starts) == [1, 2] and 1 not in ends or ends[1] < starts[2], got
+    assert not alive(shell[0])
+    others = [p for p in daemons.procs if p.pid != owner]
+    log = (tmp_path / f"daemon-{daemons.procs.index(others[0])}.log").read_text()
+    assert ("still running (process group" in log) == (reaper == "no reaper"), log
+
+
+def test_a_command_leaving_a_background_child_ends_when_its_shell_exits(tmp_path, daemons):
+    db, pidfile = str(tmp_path / "jobs.db"), tmp_path / "child.pid"
+    crontab = tmp_path / "crontab"
+    crontab.write_text(f"# name: bg\n@every 24h sleep 1000 & echo $! > {pidfile}; echo started\n")
+    daemons.start("--db", db, "crontab", str(crontab))
+    wait_until(lambda: os.path.exists(db) and "bg" in cli(db, "status").stdout, what="registered")
+    cli(db, "trigger", "bg")
+    record = wait_until(lambda: [r for r in history(db, "bg") if r["status"] == "succeeded"], what="succeeded")[0]
+    child = int(pidfile.read_text())
+    assert record["output"].startswith("started") and f"left {child} (sleep)" in record["output"]
+    wait_until(lambda: not alive(child), what="the child to be ended")
+    cli(db, "trigger", "bg")  # not skipped: the first run is over
+    wait_until(lambda: len([r for r in history(db, "bg") if r["status"] == "succeeded"]) == 2, what="second run")
