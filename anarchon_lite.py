@@ -774,6 +774,10 @@ def _rule_text(rule: _rrule.rrule) -> str:
 ###############################################################################
 
 SCHEMA_VERSION = 3
+# The WAL is written back into the file once it holds this many pages (256 KiB at 4 KiB a page),
+# and cut back to this size after: it outgrows that only while a reader keeps an old snapshot.
+_WAL_PAGES = 64
+_WAL_LIMIT = 256 * 1024
 _SCHEMA = (
     # One row per declared job: its pause flag and its watermark (every occurrence up to
     # ``last_slot`` has been handled: run, skipped or missed).
@@ -1174,6 +1178,8 @@ class _Store:
                 )
             self._switch_to_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES}")
+            conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
             if version < SCHEMA_VERSION:
                 self._create_schema(conn)
         except sqlite3.DatabaseError as exc:
@@ -1834,6 +1840,7 @@ class _Heartbeats(threading.Thread):
         self._closed = threading.Event()  # set once the thread has closed its connection for a reopen
         self._low_interval = switch_interval
         self._lowered = False
+        self._failing: str | None = None  #: the last renewal error of the thread, until one succeeds
         self.lateness = _Lateness()
 
     def add(self, attempt: _Attempt) -> None:
@@ -1898,8 +1905,13 @@ class _Heartbeats(threading.Thread):
             if store is self._loop_store:  # the fallback does not wait for the lock; the thread does
                 _log.debug("lease renewal from the event loop failed: %s", exc)
                 return 0.001
-            _log.warning("lease renewal failed, retrying: %s", exc)
+            if str(exc) != self._failing:  # once per kind of failure, not once per retry
+                _log.warning("lease renewal failed, retrying every 0.2 s: %s", exc)
+            self._failing = str(exc)
             return 0.2
+        if self._failing is not None and store is self._store:
+            _log.warning("lease renewals work again")
+            self._failing = None
         now = self._clock.monotonic()
         period = min(a.renew_every for a in batch)
         with self._cond:
@@ -2453,6 +2465,7 @@ class Scheduler:
         self._wake: asyncio.Future[None] | None = None
         self._poked = False
         self._written = False  # the file watch saw a write we may not see committed yet
+        self._backing_off = False  #: a look failed: sleep the back-off out whatever the file does
         self._heartbeats: _Heartbeats | None = None
         self._timers: _Timers | None = None
         self._watchdog: _Watchdog | None = None
@@ -2689,6 +2702,14 @@ class Scheduler:
         if self._wake is not None:
             _resolve(self._wake)
 
+    def _file_written(self) -> None:
+        """Another process (or this one) wrote the file. While backing off after a failure, this
+        waits for the back-off: the failing writes themselves touch the file."""
+        if self._backing_off:
+            self._written = True
+        else:
+            self._wake_up()
+
     async def _join(self) -> bool:
         """Record this process among the file's running instances; True if it is the only one."""
         now_ms = _ms(self._clock.time())
@@ -2719,7 +2740,7 @@ class Scheduler:
         self._timers.start()
         self._heartbeats.start()
         loop_state = _LoopState(_Store(self.path, busy_timeout=0.05))
-        watch = None if self._polling else _FileWatch.start(self.path, loop, self._wake_up)
+        watch = None if self._polling else _FileWatch.start(self.path, loop, self._file_written)
         self._idle = _CLOCK_CHECK if watch is not None else self._poll
         try:
             while not self._stopping:
@@ -2727,10 +2748,15 @@ class Scheduler:
                 try:
                     await self._tick(loop_state)
                 except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
-                    _log.error("%s", exc, exc_info=not isinstance(exc, StoreError))
                     loop_state.delay = min(max(loop_state.delay * 2, self._poll), 5.0)
+                    self._backing_off = True
+                    self._log_failure(loop_state, exc)
                 else:
+                    if loop_state.failing is not None:
+                        _log.warning("%s can be used again", self.path)
+                        loop_state.failing = None
                     loop_state.delay = 0.0
+                    self._backing_off = False
                 if self._ready is not None:
                     self._ready.set()
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
@@ -2749,6 +2775,15 @@ class Scheduler:
                 self._store_thread.close()
                 self._store_thread = None
             self._registered = False
+
+    def _log_failure(self, state: _LoopState, exc: Exception) -> None:
+        """Log a failed look: at once when it fails differently, else once a minute at most."""
+        now = self._clock.monotonic()
+        if str(exc) != state.failing or now - state.logged >= 60.0:
+            _log.error(
+                "%s (looking again in %s)", exc, format_duration(state.delay), exc_info=not isinstance(exc, StoreError)
+            )
+            state.failing, state.logged = str(exc), now
 
     async def _sleep(self, seconds: float) -> None:
         """Wait ``seconds`` on the loop's monotonic clock, or until ``_poke()``."""
@@ -3101,6 +3136,8 @@ class _LoopState:
     wait: float = 0.0
     delay: float = 0.0
     recheck: float = 0.0  # after a write seen by the file watch: look again this soon
+    failing: str | None = None  # the error of the last look, while looks fail
+    logged: float = 0.0  # when it was last logged (monotonic)
 
 
 class _StoreThread:

@@ -372,3 +372,75 @@ def test_a_file_of_the_previous_schema_is_migrated_in_place(db, caplog):
     finally:
         conn.close()
     assert integrity(db) == "ok"
+
+
+@contextlib.contextmanager
+def small_filesystem(tmp_path, size="2m"):
+    """A filesystem of ``size`` of its own (tmpfs), so that the disk really fills up."""
+    if os.geteuid() != 0:
+        pytest.skip("a small filesystem of its own needs root (mount -t tmpfs); CI runs as root")
+    directory = tmp_path / "small"
+    directory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], check=True)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=False)
+
+
+def fill(directory):
+    """Write a file until the filesystem is full; return its path."""
+    path = directory / "ballast"
+    with open(path, "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return path
+
+
+def test_a_full_disk_backs_off_logs_little_and_recovers(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="anarchon_lite")
+    with small_filesystem(tmp_path) as directory:
+        db = str(directory / "jobs.db")
+
+        async def main():
+            s = Scheduler(db)  # woken by inotify, as in production: its own failed writes touch the WAL
+            s.every("tick", "100ms", lambda ctx: None, overlap="allow", retries=3, retry_delay="100ms")
+            async with s:
+                await wait_for(lambda: s.history("tick", limit=5), message="runs before the disk fills")
+                ballast = fill(directory)
+                await wait_for(
+                    lambda: any(r.levelno >= logging.ERROR for r in caplog.records), timeout=30, message="an error"
+                )
+                caplog.clear()
+                cpu, started = time.process_time(), time.monotonic()
+                await asyncio.sleep(3.0)  # a window to measure, not a wait for a condition
+                cpu, window = time.process_time() - cpu, time.monotonic() - started
+                lines = len(caplog.records)
+                os.remove(ballast)
+                freed = int(time.time() * 1000)
+
+                async def ran_again():
+                    return any(r.status == "succeeded" and r.slot > freed for r in await s.history("tick", limit=50))
+
+                await wait_for(ran_again, timeout=30, message="runs after space returns")
+            return cpu, window, lines
+
+        cpu, window, lines = run(main(), timeout=120)
+        assert cpu < 0.5 * window, (cpu, window)
+        assert lines <= 12, [r.getMessage() for r in caplog.records]
+        assert os.path.getsize(db + "-wal") <= 2 * al._WAL_LIMIT if os.path.exists(db + "-wal") else True
+        assert integrity(db) == "ok"
+
+
+def test_a_scheduler_that_cannot_start_on_a_full_disk_says_so(tmp_path):
+    with small_filesystem(tmp_path) as directory:
+        fill(directory)
+        db = str(directory / "jobs.db")
+        s = Scheduler(db)
+        s.every("tick", "1h", lambda ctx: None)
+        with pytest.raises(StoreError) as info:
+            run(s.run())
+        assert info.value.path == db and "full" in str(info.value), str(info.value)
