@@ -46,6 +46,7 @@ import re
 import signal
 import socket
 import sqlite3
+import stat
 import sys
 import threading
 import time
@@ -1087,18 +1088,19 @@ class _Store:
         if self._read_only:
             self._conn = self._connect_read_only()
             return self._conn
-        if not os.path.exists(self.path):
+        real = _real_path(self.path)
+        if not os.path.exists(real):
             # Create it owner-only. Never open and close an existing file here: closing any
             # descriptor of a file drops every POSIX lock this process holds on it, SQLite's too,
             # and another process would then think the WAL unused and delete it.
             try:
-                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                os.close(os.open(real, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
             except FileExistsError:
                 pass
             except OSError as exc:
                 raise StoreError(self.path, f"cannot create the database file: {exc.strerror}") from None
         try:
-            conn = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(real, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as exc:
             raise StoreError(self.path, f"cannot open the database: {self._explain(exc)}") from None
         try:
@@ -1566,6 +1568,23 @@ class _Store:
             RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
             for r in self._read(_SQL_HISTORY, (job, job, limit))
         ]
+
+
+def _real_path(path: str) -> str:
+    """The file that ``path`` names, symbolic links followed (SQLite keeps the -wal and -shm files
+    beside it). A link in a directory anyone can write, owned by someone other than this user or
+    root, is refused: whoever made it could point it at any file this process may write."""
+    if not os.path.islink(path):
+        return path
+    directory = os.path.dirname(os.path.abspath(path))
+    owner = os.lstat(path).st_uid
+    if os.stat(directory).st_mode & stat.S_IWOTH and owner not in (os.geteuid(), 0):
+        raise StoreError(
+            path,
+            f"a symbolic link owned by uid {owner} in {directory}, which anyone can write: refused "
+            "(give the path of the file itself)",
+        )
+    return os.path.realpath(path)
 
 
 def _run_row(row: Sequence[Any]) -> _RunRow:
@@ -2062,6 +2081,7 @@ class _FileWatch:
             fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
             if fd < 0:
                 return None
+            path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
             directory = os.path.dirname(os.path.abspath(path)).encode()
             mask = cls._IN_MODIFY | cls._IN_MOVED_FROM | cls._IN_MOVED_TO | cls._IN_CREATE | cls._IN_DELETE
             if libc.inotify_add_watch(fd, directory, mask) < 0:

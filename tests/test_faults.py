@@ -444,3 +444,44 @@ def test_a_scheduler_that_cannot_start_on_a_full_disk_says_so(tmp_path):
         with pytest.raises(StoreError) as info:
             run(s.run())
         assert info.value.path == db and "full" in str(info.value), str(info.value)
+
+
+def test_a_symlinked_file_is_watched_where_it_really_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(al, "_CLOCK_CHECK", 60.0)  # only the file watch can wake it in time
+    (tmp_path / "real").mkdir()
+    (tmp_path / "links").mkdir()
+    target, link = tmp_path / "real" / "jobs.db", tmp_path / "links" / "jobs.db"
+    os.symlink(target, link)  # dangling: the file does not exist yet
+
+    async def main():
+        s = Scheduler(str(link))
+        started = []
+        s.every("job", "24h", lambda ctx: started.append(ctx.slot), offset=QUIET)
+        async with s:
+            assert os.stat(target).st_mode & 0o777 == 0o600  # created where the link points, owner-only
+            await asyncio.sleep(0.3)  # idle now, waiting on the file watch
+            slot = await Scheduler(str(link)).trigger("job")  # another process's write
+            await wait_for(lambda: started == [slot], timeout=20, message="the trigger to wake the scheduler")
+
+    run(main())
+
+
+def test_a_symlink_of_another_user_in_a_world_writable_directory_is_refused(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("making a link owned by another user needs root; CI runs as root")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    victim = tmp_path / "precious"
+    victim.write_text("not a database")
+    link = shared / "jobs.db"
+    os.symlink(victim, link)
+    os.lchown(link, 12345, 12345)
+    s = Scheduler(str(link))
+    s.every("job", "1h", lambda ctx: None)
+    with pytest.raises(StoreError, match="symbolic link owned by uid 12345"):
+        run(s.run())
+    assert victim.read_text() == "not a database"
+    os.lchown(link, 0, 0)  # a link of root's own is followed (and this file is then refused as not SQLite)
+    with pytest.raises(StoreError, match="not an SQLite database"):
+        run(Scheduler(str(link)).history())
