@@ -860,12 +860,14 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
 }
 
 _SQL_REGISTER = (
-    "INSERT INTO jobs (name, schedule, last_slot, next_slot) VALUES (?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET "
+    "INSERT INTO jobs (name, schedule, last_slot, next_slot, definition, declared_by) "
+    "VALUES (:name, :schedule, :last_slot, :next_slot, :definition, :declared_by) ON CONFLICT (name) DO UPDATE SET "
     "next_slot = CASE WHEN schedule != excluded.schedule OR next_slot IS NULL THEN excluded.next_slot ELSE next_slot END, "
-    "schedule = excluded.schedule"
+    "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
 )
-_SQL_JOB = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs WHERE name = ?"
-_SQL_JOBS = "SELECT name, schedule, paused, last_slot, next_slot FROM jobs ORDER BY name"
+_SQL_JOB_COLUMNS = "name, schedule, paused, last_slot, next_slot, definition, declared_by"
+_SQL_JOB = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE name = ?"
+_SQL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs ORDER BY name"
 _SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
 _SQL_ADVANCE = "UPDATE jobs SET last_slot = ?, next_slot = ? WHERE name = ? AND last_slot = ?"
 _SQL_SET_PAUSED = "UPDATE jobs SET paused = ?, last_slot = max(last_slot, ?) WHERE name = ?"
@@ -964,6 +966,20 @@ class _JobRow:
     paused: bool
     last_slot: int
     next_slot: int | None
+    definition: str | None = None  # what the process that registered it last declared
+    declared_by: str | None = None  # that process's instance
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+    """A job as this process declares it, for ``register``."""
+
+    name: str
+    schedule: str  # the schedule's description
+    last_slot: int  # the watermark of a job new to the file: now
+    next_slot: int | None
+    definition: str  # the schedule, and the command of a crontab entry
+    declared_by: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1262,22 +1278,29 @@ class _Store:
 
     # -- jobs -------------------------------------------------------------------------------------
 
-    def register(self, jobs: Sequence[tuple[str, str, int, int | None]]) -> None:
-        """Add (name, schedule text, watermark, next occurrence) for jobs not yet in the file; update
-        the others' text (and next occurrence, if the schedule changed). A new job's watermark is
-        now: nothing before it counts as missed."""
+    def register(self, jobs: Sequence[_Declared]) -> list[_JobRow]:
+        """Add the jobs not yet in the file; update the others' schedule text and definition (and
+        next occurrence, if the schedule changed). A new job's watermark is now: nothing before it
+        counts as missed. Returns the rows, as they were, of jobs that another process had declared
+        differently (its definition is replaced by this one's)."""
 
-        def work(conn: sqlite3.Connection) -> None:
-            conn.executemany(_SQL_REGISTER, jobs)
+        def work(conn: sqlite3.Connection) -> list[_JobRow]:
+            before = {row.name: row for row in map(_job_row, conn.execute(_SQL_JOBS))}
+            conn.executemany(_SQL_REGISTER, [dataclasses.asdict(job) for job in jobs])
+            return [
+                row
+                for job in jobs
+                if (row := before.get(job.name)) is not None and row.definition not in (None, job.definition)
+            ]
 
-        self._write(work)
+        return self._write(work)
 
     def jobs(self) -> list[_JobRow]:
-        return [_JobRow(r[0], r[1], bool(r[2]), r[3], r[4]) for r in self._read(_SQL_JOBS)]
+        return [_job_row(r) for r in self._read(_SQL_JOBS)]
 
     def job(self, name: str) -> _JobRow | None:
         rows = self._read(_SQL_JOB, (name,))
-        return _JobRow(rows[0][0], rows[0][1], bool(rows[0][2]), rows[0][3], rows[0][4]) if rows else None
+        return _job_row(rows[0]) if rows else None
 
     def newest_slot(self) -> int | None:
         value = self._read(_SQL_NEWEST_SLOT)[0][0]
@@ -1585,6 +1608,10 @@ def _real_path(path: str) -> str:
             "(give the path of the file itself)",
         )
     return os.path.realpath(path)
+
+
+def _job_row(row: Sequence[Any]) -> _JobRow:
+    return _JobRow(row[0], row[1], bool(row[2]), row[3], row[4], row[5], row[6])
 
 
 def _run_row(row: Sequence[Any]) -> _RunRow:
@@ -2186,6 +2213,10 @@ class _Job:
     handler: Handler
     options: _Options
     is_async: bool
+    definition: str = ""  # what another process declaring the job must agree on: the schedule (and command)
+
+    def __post_init__(self) -> None:
+        self.definition = self.definition or self.schedule.description
 
 
 @dataclasses.dataclass
@@ -2420,6 +2451,8 @@ class JobStatus:
     paused: bool
     next_at: _dt.datetime | None
     runs: tuple[RunInfo, ...]
+    definition: str | None = None  # as the process that declared the job last declared it
+    declared_by: str | None = None  # that process's instance id
 
 
 @dataclasses.dataclass
@@ -2486,6 +2519,7 @@ class Scheduler:
         self._poked = False
         self._written = False  # the file watch saw a write we may not see committed yet
         self._backing_off = False  #: a look failed: sleep the back-off out whatever the file does
+        self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
         self._heartbeats: _Heartbeats | None = None
         self._timers: _Timers | None = None
         self._watchdog: _Watchdog | None = None
@@ -2595,11 +2629,31 @@ class Scheduler:
         if not self._registered and self._jobs:
             now = _ms(self._clock.time())
             jobs = [
-                (job.name, job.schedule.description, now, job.schedule.next_after(now)) for job in self._jobs.values()
+                _Declared(
+                    job.name, job.schedule.description, now, job.schedule.next_after(now), job.definition, self.instance
+                )
+                for job in self._jobs.values()
             ]
-            await thread.call(lambda s: s.register(jobs))
+            for row in await thread.call(lambda s: s.register(jobs)):
+                self._disagree(row, "now holds this one's")
             self._registered = True
         return await thread.call(work)
+
+    def _disagree(self, row: _JobRow, outcome: str) -> None:
+        """Warn, once per definition, that another process declares a job of ours differently."""
+        job = self._jobs.get(row.name)
+        if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
+            return
+        self._disputes.add((row.name, row.definition))
+        _log.warning(
+            "job %r is declared differently by two processes: %s declares %r, this one (%s) %r; the file %s",
+            row.name,
+            row.declared_by or "another process",
+            row.definition,
+            self.instance,
+            job.definition,
+            outcome,
+        )
 
     # -- control from any process ----------------------------------------------------------------
 
@@ -2647,7 +2701,11 @@ class Scheduler:
             declared = self._jobs.get(row.name)
             following = declared.schedule.next_after(max(row.last_slot, _ms(now_wall))) if declared else row.next_slot
             infos = tuple(_run_info(r, now_wall) for r in runs if r.job == row.name)
-            result.append(JobStatus(row.name, row.schedule, row.paused, _dt_or_none(following), infos))
+            result.append(
+                JobStatus(
+                    row.name, row.schedule, row.paused, _dt_or_none(following), infos, row.definition, row.declared_by
+                )
+            )
         return result
 
     # -- running ----------------------------------------------------------------------------------
@@ -2861,6 +2919,8 @@ class Scheduler:
         if version != state.version or state.runs is None or self._dirty:
             self._dirty = False
             state.jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
+            for row in state.jobs:
+                self._disagree(row, "holds that one's")
             state.newest = newest or 0
             state.version = version
         if now_ms < state.newest - _CLOCK_SLACK_MS:
@@ -3458,6 +3518,8 @@ def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: s
                 scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
         except ConfigError as exc:
             raise CrontabError(path, entry.line, str(exc)) from None
+        job = scheduler._jobs[entry.name]
+        job.definition = f"{job.schedule.description}: {entry.command}"
 
 
 def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext], Awaitable[str]]:
@@ -3693,6 +3755,8 @@ def _status_json(job: JobStatus) -> dict[str, Any]:
         "name": job.name,
         "schedule": job.schedule,
         "paused": job.paused,
+        "definition": job.definition,
+        "declared_by": job.declared_by,
         "next_at": job.next_at.isoformat() if job.next_at else None,
         "runs": [
             {**dataclasses.asdict(r), "started_at": r.started_at.isoformat() if r.started_at else None}

@@ -133,7 +133,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize()
     def register(self):
-        self.stores[0].register([("job", "every 1h", 0, None)])
+        self.stores[0].register([al._Declared("job", "every 1h", 0, None, "every 1h", "model")])
 
     def teardown(self):
         for store in self.stores:

@@ -987,3 +987,23 @@ def test_leases_too_short_to_keep_and_durations_too_long_are_refused():
 def test_job_names_with_control_characters_are_refused(name):
     with pytest.raises(ConfigError, match="control character"):
         Scheduler(":memory:").every(name, "1h", lambda ctx: None)
+
+
+def test_two_processes_declaring_one_job_differently_are_told(db, caplog):
+    caplog.set_level(logging.WARNING, logger="anarchon_lite")
+
+    async def main():
+        a, b = make(db, instance="a"), make(db, instance="b")
+        a.every("report", "1h", lambda ctx: None)
+        b.every("report", "5m", lambda ctx: None)
+        async with a:
+            async with b:
+                await wait_for(lambda: len([r for r in caplog.records if "declared differently" in r.message]) >= 2)
+            (status,) = await a.status()
+            assert status.definition == "every 5m" and status.declared_by == "b"
+        texts = [r.message for r in caplog.records if "declared differently" in r.message]
+        assert any("a declares 'every 1h', this one (b) 'every 5m'; the file now holds" in t for t in texts)
+        assert any("b declares 'every 5m', this one (a) 'every 1h'; the file holds that" in t for t in texts)
+        assert len(texts) == 2  # once each, not at every look
+
+    run(main())

@@ -19,7 +19,7 @@ OTHER = al._Owner("b", os.getpid(), None, None, None)
 
 def store(db, **kw):
     s = al._Store(db, **kw)
-    s.register([("job", "every 1h", 0, 3_600_000)])
+    s.register([al._Declared("job", "every 1h", 0, 3_600_000, "every 1h", "test")])
     return s
 
 
