@@ -185,3 +185,20 @@ def test_cpu_bound_handler_keeps_its_lease(procs, mode):
     assert [e for e in procs.read() if e["event"] == "start" and e["attempt"] > 1] == []
 
     assert settled(procs.db, mode, [(1, "succeeded")]) == [(1, "succeeded")]
+
+
+def test_a_handler_raising_system_exit_takes_no_process_down(procs):
+    started = start_all(procs, "escape", 3)
+    trigger(procs.db, "escape")
+    procs.wait(lambda e: e["event"] == "done", timeout=30, what="the third attempt")
+    assert settled(procs.db, "escape", [(1, "failed"), (2, "failed"), (3, "succeeded")]) == [
+        (1, "failed"),
+        (2, "failed"),
+        (3, "succeeded"),
+    ]
+    errors = sorted(r.error for r in history(procs.db, "escape") if r.status == "failed")
+    assert "KeyboardInterrupt" in errors[0] and "SystemExit: 3" in errors[1]
+    assert all(proc.poll() is None for proc in started)  # every worker still running
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+    assert [proc.wait(timeout=30) for proc in started] == [0, 0, 0]

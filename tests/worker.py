@@ -3,7 +3,8 @@
 Every event is one JSON line appended to EVENTS, so the test can follow what each process did.
 Modes: ``every`` (a 500 ms job), ``export`` (the checkpointed recipe, triggered by the test),
 ``block`` (an async handler that blocks the event loop for three and a half leases), ``spin``
-(the same in a plain-function handler's thread), ``clock`` (a 1 s job, with the system's wall clock
+(the same in a plain-function handler's thread), ``escape`` (raises SystemExit, then
+KeyboardInterrupt, then succeeds), ``clock`` (a 1 s job, with the system's wall clock
 plus the offset in seconds read from the file EVENTS.offset).
 """
 
@@ -79,6 +80,16 @@ def spin(ctx):
     emit("done", slot=ctx.slot, attempt=ctx.attempt)
 
 
+async def escape(ctx):
+    """Raises what would end a process: SystemExit on attempt 1, KeyboardInterrupt on attempt 2."""
+    emit("start", slot=ctx.slot, attempt=ctx.attempt)
+    if ctx.attempt == 1:
+        raise SystemExit(3)
+    if ctx.attempt == 2:
+        raise KeyboardInterrupt
+    emit("done", slot=ctx.slot, attempt=ctx.attempt)
+
+
 class OffsetClock(Clock):
     """The system's clocks, with the wall clock moved by the offset in a file (a wrong boot clock)."""
 
@@ -99,6 +110,8 @@ async def main():
         scheduler.every("tick", "1s", tick)
     elif MODE == "spin":
         scheduler.every("spin", "24h", spin, offset=QUIET, lease=LEASE)
+    elif MODE == "escape":
+        scheduler.every("escape", "24h", escape, offset=QUIET, retries=2, retry_delay="100ms")
     runner = asyncio.ensure_future(scheduler.run())
     await asyncio.sleep(0)
     while scheduler._ready is None or not scheduler._ready.is_set():
