@@ -1152,7 +1152,8 @@ class _Store:
         if version > SCHEMA_VERSION:
             conn.close()
             raise StoreError(
-                self.path, f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})"
+                self.path,
+                f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})",
             )
         if version == 0:
             conn.close()
@@ -2497,7 +2498,9 @@ class Scheduler:
         self._polling = poll is not None
         self._busy_timeout = busy_timeout
         if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
-            raise ConfigError(f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention")
+            raise ConfigError(
+                f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention"
+            )
         self._retention = retention
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
@@ -2918,9 +2921,10 @@ class Scheduler:
             state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
         if version != state.version or state.runs is None or self._dirty:
             self._dirty = False
-            state.jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
-            for row in state.jobs:
+            jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
+            for row in jobs:
                 self._disagree(row, "holds that one's")
+            state.jobs = jobs
             state.newest = newest or 0
             state.version = version
         if now_ms < state.newest - _CLOCK_SLACK_MS:
@@ -3675,7 +3679,7 @@ async def _wait_command(
 ) -> tuple[int, str]:
     """Wait for the shell to exit, or end its group on abort. Returns (exit code, what was left in
     the group when the shell exited: a description, empty if nothing)."""
-    aborted = asyncio.ensure_future(ctx.signal.wait())
+    aborted: asyncio.Future[Any] = asyncio.ensure_future(ctx.signal.wait())
     left = ""
     try:
         await asyncio.wait({exited, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -3817,7 +3821,9 @@ def _read_crontab(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise CrontabError(path, line, f"the file is not UTF-8 (byte 0x{data[exc.start]:02x}); save it as UTF-8") from None
+        raise CrontabError(
+            path, line, f"the file is not UTF-8 (byte 0x{data[exc.start]:02x}); save it as UTF-8"
+        ) from None
 
 
 def _load_scheduler(target: str) -> Scheduler:

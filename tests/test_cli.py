@@ -240,9 +240,7 @@ def test_sighup_to_run_is_harmless_and_a_second_interrupt_cuts_the_grace_short(t
     write_jobs(
         tmp_path,
         db,
-        "@scheduler.every('deaf', '24h', grace='60s')\n"
-        "def deaf(ctx):\n"
-        "    time.sleep(120)  # ignores its signal\n",
+        "@scheduler.every('deaf', '24h', grace='60s')\ndef deaf(ctx):\n    time.sleep(120)  # ignores its signal\n",
     )
     proc = start_run(tmp_path, daemons)
     wait_until(lambda: os.path.exists(db) and "deaf" in cli(db, "status").stdout, what="registered")
@@ -279,12 +277,20 @@ def test_status_and_history_work_in_a_read_only_directory(tmp_path):
         crontab.write_text("# name: once\n@every 24h true\n")
         cli(db, "trigger", "once", check=False)  # the file does not exist yet: refused
         subprocess.run(
-            [sys.executable, "-c", f"import anarchon_lite as a, asyncio; s = a.Scheduler({db!r}); "
-             "s.every('once', '24h', lambda ctx: None); asyncio.run(s.trigger('once'))"],
+            [
+                sys.executable,
+                "-c",
+                (
+                    f"import anarchon_lite as a, asyncio; s = a.Scheduler({db!r}); "
+                    "s.every('once', '24h', lambda ctx: None); asyncio.run(s.trigger('once'))"
+                ),
+            ],
             env=ENV,
             check=True,
         )
-        make_read_only = subprocess.run(["mount", "-o", "remount,bind,ro", str(directory)], capture_output=True)
+        make_read_only = subprocess.run(
+            ["mount", "-o", "remount,bind,ro", str(directory)], check=False, capture_output=True
+        )
         if os.geteuid() != 0:
             os.chmod(directory, 0o500)
         else:
@@ -330,6 +336,7 @@ def test_command_line_mistakes_are_one_line(tmp_path):
         (tmp_path / "broken.py").write_text("import not_installed\n")
         done = subprocess.run(
             [sys.executable, "-m", "anarchon_lite", "--db", db, *args],
+            check=False,
             cwd=tmp_path,
             env=ENV,
             capture_output=True,
@@ -381,7 +388,7 @@ def alive(pid):
 def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, reaper):
     db, out = str(tmp_path / "jobs.db"), tmp_path / "marks.txt"
     crontab = tmp_path / "crontab"
-    mark = f'echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}'
+    mark = f"echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}"
     crontab.write_text(f"# name: once\n@every 24h {mark.format('start')}; sleep 6; {mark.format('end')}\n")
     for _ in range(2):
         daemons.start("--db", db, "crontab", str(crontab))

@@ -838,7 +838,7 @@ def test_a_handler_raising_a_base_exception_fails_its_attempt_only(db, escape, k
             await s.trigger("escape")
             await wait_for(lambda: has(s, "escape", "succeeded"))
         assert [st for _, _, st in await statuses(s)] == ["failed", "succeeded"]
-        failed = [r for r in await s.history("escape") if r.status == "failed"][0]
+        failed = next(r for r in await s.history("escape") if r.status == "failed")
         assert type(escape).__name__ in failed.error and "process carried on" in failed.error
 
     run(main())
@@ -932,8 +932,9 @@ def test_late_occurrences_found_in_one_look_run_once(db, clock):
         for catch_up in (None, "1h"):
             second = make(db, clock)
             second.every("fast", "300ms", lambda ctx: None, catch_up=catch_up)
+            runs = 1 if catch_up is None else 2
             async with second:
-                await wait_for(lambda: has(second, "fast", "succeeded", 1 if catch_up is None else 2))
+                await wait_for(lambda s=second, n=runs: has(s, "fast", "succeeded", n))
             if catch_up is None:
                 assert await statuses(second) == [(s, 0, "missed") for s in due[:-1]] + [(due[-1], 1, "succeeded")]
                 clock.advance(0.9)  # three more, all on time; again only the newest runs
