@@ -1081,9 +1081,13 @@ class _Store:
         synchronous: str = "FULL",
         lock_poll: float | None = None,
         read_only: bool = False,
+        autocheckpoint: bool = True,
     ):
         self.path = path
         self._read_only = read_only
+        # Without ``autocheckpoint``, a commit never writes the WAL back into the file itself (the
+        # heartbeat connections: a renewal must not wait for that); ``checkpoint()`` does it.
+        self._autocheckpoint = autocheckpoint
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
         # With ``lock_poll``, a single-statement write looks for the lock this often (seconds) instead
@@ -1197,7 +1201,7 @@ class _Store:
                 )
             self._switch_to_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
-            conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES}")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES if self._autocheckpoint else 0}")
             conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
             if version < SCHEMA_VERSION:
                 self._create_schema(conn)
@@ -1272,6 +1276,16 @@ class _Store:
             return conn.execute(sql, args).fetchall()
         except sqlite3.Error as exc:
             raise StoreError(self.path, _explain(exc)) from None
+
+    def checkpoint(self) -> None:
+        """Write the WAL back into the file if it holds more than ``_WAL_LIMIT`` (never waiting for
+        readers or writers: a passive checkpoint)."""
+        try:
+            size = os.stat(_real_path(self.path) + "-wal").st_size
+        except OSError:
+            return
+        if size > _WAL_LIMIT:
+            self._read("PRAGMA wal_checkpoint(PASSIVE)")
 
     def data_version(self) -> int:
         """A number that changes whenever another connection commits to the file."""
@@ -1874,8 +1888,10 @@ class _Heartbeats(threading.Thread):
         switch_interval: float | None,
     ):
         super().__init__(name=name, daemon=True)
-        self._store = _Store(path, busy_timeout=busy_timeout, synchronous="NORMAL", lock_poll=0.0005)
-        self._loop_store = _Store(path, busy_timeout=0.0, synchronous="NORMAL")  # never blocks the loop
+        self._store = _Store(
+            path, busy_timeout=busy_timeout, synchronous="NORMAL", lock_poll=0.0005, autocheckpoint=False
+        )
+        self._loop_store = _Store(path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False)  # never blocks
         self._loop = loop
         self._loop_timer: asyncio.TimerHandle | None = None
         self._clock = clock
@@ -2001,6 +2017,10 @@ class _Heartbeats(threading.Thread):
                         self._reopen = False
                         self._closed.set()
                 wait = self._renew_due(self._store)
+                try:  # after the round, not in its commit: the renewal does not wait for it
+                    self._store.checkpoint()
+                except Exception as exc:  # noqa: BLE001 - the next commit of the scheduler's own connection does it
+                    _log.debug("checkpoint of the WAL failed: %s", exc)
                 with self._cond:
                     if self._stopped:
                         return
@@ -2388,7 +2408,10 @@ class _Driven:
             except StopIteration as stop:
                 return stop.value
             except BaseException as exc:
-                raise _contained(exc) from exc
+                contained = _contained(exc)
+                if contained is exc:
+                    raise
+                raise contained from exc
             value, error = None, None
             try:
                 value = yield step
@@ -3103,7 +3126,7 @@ class Scheduler:
         work: asyncio.Future[Any]
         driven = None
         if attempt.job.is_async:
-            driven = _Driven(context.run(_await, attempt.job.handler(ctx)))
+            driven = _Driven(_await(attempt.job.handler(ctx)))
             work = context.run(loop.create_task, _await(driven))
         else:
             work = loop.create_future()
@@ -3300,7 +3323,9 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
     if isinstance(exc, Aborted):
         status = next(s for cls, s in _ABORT_STATUS.items() if isinstance(exc, cls))
         return _Outcome(status, f"{type(exc).__name__}: {exc}", retryable=status == "timed_out")
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:])
+    shown = exc.exception if isinstance(exc, HandlerEscaped) else exc  # the handler's traceback, not ours
+    lines = traceback.format_exception(type(shown), shown, shown.__traceback__)[-3:]
+    text = "".join(lines[:-1] + [f"{type(exc).__name__}: {exc}\n"] if shown is not exc else lines)
     return _Outcome("failed", text.strip()[-2000:], retryable=True, output=_tail(getattr(exc, "output", None)))
 
 
