@@ -1000,6 +1000,9 @@ class _RunRow:
     progress_done: float | None
     progress_total: float | None
     started_at: int | None
+    # Seconds the lease had left when the row was read, on the store's lease clock (not a column;
+    # not part of a compare-and-set): the scheduler ages it by its own elapsed time since the read.
+    lease_left: float | None = dataclasses.field(default=None, compare=False)
 
     def holder(self) -> _Owner:
         return _Owner(self.owner or "", self.owner_pid or 0, self.owner_start, self.owner_ns, self.boot_id)
@@ -1024,7 +1027,7 @@ class _Due:
     missed: Sequence[tuple[int, str | None]]  # (slot, error) of the occurrences recorded missed
     run: bool
     skip_if_busy: bool
-    lease: tuple[float, float]  # (valid until, seconds) on the monotonic clock
+    lease: float  # seconds; the store stamps its expiry on its own clock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1063,6 +1066,104 @@ def _dt_or_none(ms: int | None) -> _dt.datetime | None:
     return None if ms is None else _utc_from_ms(ms)
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
+    fields = _process_stat(pid)
+    return None if fields is None else (fields[0], int(fields[19]))
+
+
+def _process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
+    text = _read_text(f"/proc/{pid}/stat")
+    return None if text is None else text[text.rfind(")") + 2 :].split()
+
+
+def _group_record(pgid: int, me: _Owner) -> str:
+    """What identifies a process group that this process just started: its id, the leader's start
+    time (a reused pid is told apart), the boot and the pid namespace (JSON, kept with the run)."""
+    started = _process_start(pgid)
+    return json.dumps({"pgid": pgid, "start": started[1] if started else None, "boot": me.boot_id, "ns": me.namespace})
+
+
+def _group_members(pgid: int) -> list[str]:
+    """``pid name`` of the live processes of process group ``pgid`` (Linux: from /proc; elsewhere
+    only whether there are any)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        return ["processes of another user"]
+    if not os.path.isdir("/proc/self"):
+        return ["processes"]
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _process_stat(int(name))
+            if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
+                found.append(f"{name} ({comm})")
+    return found
+
+
+def _group_alive(record: str, me: _Owner) -> bool | None:
+    """Whether the process group of ``record`` (from ``_group_record``) still has members; None
+    when this process cannot tell (another boot's group is gone; another pid namespace's is unseen)."""
+    group = json.loads(record)
+    if group.get("boot") and me.boot_id and group["boot"] != me.boot_id:
+        return False
+    if group.get("ns") != me.namespace:
+        return None
+    pgid = int(group["pgid"])
+    if not _group_members(pgid):
+        return False
+    leader = _process_stat(pgid)
+    if leader is None or leader[0] in ("Z", "X") or int(leader[19]) == group.get("start"):
+        return True  # the leader, or what it left in its group (a pid is not reused while its group lives)
+    return int(leader[2]) != pgid  # the pid is another process's now; group pgid is ours unless it leads it
+
+
+def _this_owner(instance: str) -> _Owner:
+    pid = os.getpid()
+    started = _process_start(pid)
+    namespace = None
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return _Owner(
+        instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id")
+    )
+
+
+def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
+    """Why the process ``owner`` no longer exists, or None when it may be alive.
+
+    Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
+    or a pid now used by a process that started at another time.
+    """
+    if owner.boot_id and me.boot_id and owner.boot_id != me.boot_id:
+        return "the owner's host rebooted"
+    if owner.namespace is None or owner.namespace != me.namespace or me.start is None:
+        return None
+    state = _process_start(owner.pid)
+    if state is None:
+        return f"owner process {owner.pid} exited"
+    if state[0] in ("Z", "X"):
+        return f"owner process {owner.pid} exited (zombie)"
+    if owner.start is not None and state[1] != owner.start:
+        return f"owner process {owner.pid} exited (pid reused)"
+    return None
+
+
 class _Store:
     """All the SQL of anarchon_lite, behind one small interface.
 
@@ -1082,8 +1183,13 @@ class _Store:
         lock_poll: float | None = None,
         read_only: bool = False,
         autocheckpoint: bool = True,
+        clock: Clock | None = None,
     ):
         self.path = path
+        # Leases are stamped and compared on this clock's ``monotonic()``: on Linux one clock for
+        # every process of a boot, whatever the wall clock does.
+        self._clock = clock or Clock()
+        self._me = _this_owner("")  # this process, as an owner of runs (a store never crosses a fork)
         self._read_only = read_only
         # Without ``autocheckpoint``, a commit never writes the WAL back into the file itself (the
         # heartbeat connections: a renewal must not wait for that); ``checkpoint()`` does it.
@@ -1330,7 +1436,13 @@ class _Store:
         return self._write(work)
 
     def runs(self) -> list[_RunRow]:
-        return [_run_row(r) for r in self._read(_SQL_RUNS)]
+        """The unfinished runs, each with the seconds its lease had left when read (``lease_left``)."""
+        rows = self._read(_SQL_RUNS)
+        now = self._clock.monotonic()
+        return [
+            dataclasses.replace(row, lease_left=None if row.lease_until is None else row.lease_until - now)
+            for row in map(_run_row, rows)
+        ]
 
     # -- claims -----------------------------------------------------------------------------------
 
@@ -1343,8 +1455,8 @@ class _Store:
         missed: Sequence[tuple[int, str | None]],
         run: bool,
         skip_if_busy: bool,
-        owner: _Owner,
-        lease: tuple[float, float],
+        owner: str,
+        lease: float,
         now_ms: int,
     ) -> None | bool | _Claim:
         """Record the occurrences up to ``slot`` and claim ``slot`` for ``owner``.
@@ -1356,7 +1468,7 @@ class _Store:
         due = _Due(job, expected_last, slot, next_slot, missed, run, skip_if_busy, lease)
         return self.claim_due_many(owner, now_ms, [due])[0]
 
-    def claim_due_many(self, owner: _Owner, now_ms: int, due: Sequence[_Due]) -> list[None | bool | _Claim]:
+    def claim_due_many(self, owner: str, now_ms: int, due: Sequence[_Due]) -> list[None | bool | _Claim]:
         """``claim_due`` for several jobs in one transaction: one commit (one sync) however many
         jobs are due at once."""
 
@@ -1365,7 +1477,7 @@ class _Store:
 
         return self._write(work)
 
-    def _claim_due(self, conn: sqlite3.Connection, owner: _Owner, now_ms: int, due: _Due) -> None | bool | _Claim:
+    def _claim_due(self, conn: sqlite3.Connection, owner: str, now_ms: int, due: _Due) -> None | bool | _Claim:
         job, slot = due.job, due.slot
         if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
             return None
@@ -1381,23 +1493,23 @@ class _Store:
         conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
         return self._take(conn, job, slot, owner, due.lease, now_ms)
 
-    def _take(
-        self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, lease: tuple[float, float], now_ms: int
-    ) -> _Claim:
-        """Make ``owner`` the holder of a run; ``lease`` is (valid until, seconds) on the monotonic clock."""
+    def _take(self, conn: sqlite3.Connection, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
+        """Make ``owner`` (an instance of this process) the holder of a run for ``lease`` seconds,
+        stamped on the lease clock, with what tells whether this process still exists."""
+        until = self._clock.monotonic() + lease
+        me = self._me
         conn.execute(
-            _SQL_TAKE_RUN,
-            (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id, *lease, now_ms, job, slot),
+            _SQL_TAKE_RUN, (owner, me.pid, me.start, me.namespace, me.boot_id, until, lease, now_ms, job, slot)
         )
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
-        conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner.instance, now_ms, None, None))
+        conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner, now_ms, None, None))
         return _Claim(job, slot, attempt, failures)
 
     def claim(
         self,
         expected: _RunRow,
-        owner: _Owner,
-        lease: tuple[float, float],
+        owner: str,
+        lease: float,
         now_ms: int,
         max_attempts: int,
         skip_if_busy: bool,
@@ -1431,10 +1543,8 @@ class _Store:
 
         return self._write(work)
 
-    def _skip(self, conn: sqlite3.Connection, job: str, slot: int, owner: _Owner, now_ms: int) -> None:
-        conn.execute(
-            _SQL_RECORD, (job, slot, 0, "skipped", owner.instance, None, now_ms, "an earlier run is unfinished")
-        )
+    def _skip(self, conn: sqlite3.Connection, job: str, slot: int, owner: str, now_ms: int) -> None:
+        conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner, None, now_ms, "an earlier run is unfinished"))
         self._prune(conn, job)
 
     def _end(self, conn: sqlite3.Connection, row: _RunRow, status: str, error: str, now_ms: int) -> None:
@@ -1444,11 +1554,11 @@ class _Store:
 
     # -- an attempt's writes (fenced) -------------------------------------------------------------
 
-    def renew_all(self, owner: str, now: float, claims: Sequence[_Claim]) -> list[_Claim]:
-        """Extend the leases of ``claims`` (to ``now`` plus each run's lease) in one statement;
-        return those that no longer hold their run."""
+    def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
+        """Extend the leases of ``claims`` (to now on the lease clock plus each run's lease) in one
+        statement; return those that no longer hold their run."""
         rows = ", ".join(["(?, ?, ?)"] * len(claims))
-        args = [now, owner, *(v for c in claims for v in (c.job, c.slot, c.attempt))]
+        args = [self._clock.monotonic(), owner, *(v for c in claims for v in (c.job, c.slot, c.attempt))]
         if self._autocommit(_SQL_RENEW_ALL.format(rows=rows), args) == len(claims):
             return []
         return [c for c in claims if not self._read(_SQL_IS_HELD, (c.job, c.slot, c.attempt, owner))]
@@ -1554,15 +1664,17 @@ class _Store:
 
     # -- running processes ------------------------------------------------------------------------
 
-    def join(self, me: _Owner, now_ms: int, is_gone: Callable[[_Owner], bool]) -> bool:
-        """Record this process as running; forget those that ``is_gone``. Returns whether no other
-        process was running: the start of a group of schedulers (what ``@reboot`` runs on)."""
+    def join(self, instance: str, now_ms: int) -> bool:
+        """Record this process (as ``instance``) as running; forget those that are gone. Returns
+        whether no other process was running: the start of a group of schedulers (what ``@reboot``
+        runs on)."""
+        me = dataclasses.replace(self._me, instance=instance)
 
         def work(conn: sqlite3.Connection) -> bool:
             others = [_Owner(*row) for row in conn.execute(_SQL_INSTANCES) if row[0] != me.instance]
             alive = 0
             for other in others:
-                if is_gone(other):
+                if _owner_gone(other, me) is not None:
                     conn.execute(_SQL_LEAVE, (other.instance,))
                 else:
                     alive += 1
@@ -1570,6 +1682,11 @@ class _Store:
             return alive == 0
 
         return self._write(work)
+
+    def owner_gone(self, run: _RunRow) -> str | None:
+        """Why the process holding ``run`` no longer exists, or None when it may be alive (then
+        only its lease decides). Reads no database: it asks the operating system."""
+        return None if run.owner_pid is None else _owner_gone(run.holder(), self._me)
 
     def leave(self, instance: str) -> None:
         self._write(lambda conn: conn.execute(_SQL_LEAVE, (instance,)))
@@ -1656,104 +1773,6 @@ def _explain(exc: sqlite3.Error) -> str:
 ###############################################################################
 # Leases and heartbeats #######################################################
 ###############################################################################
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as handle:
-            return handle.read().strip()
-    except OSError:
-        return None
-
-
-def _process_start(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
-    fields = _process_stat(pid)
-    return None if fields is None else (fields[0], int(fields[19]))
-
-
-def _process_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
-    text = _read_text(f"/proc/{pid}/stat")
-    return None if text is None else text[text.rfind(")") + 2 :].split()
-
-
-def _group_record(pgid: int, me: _Owner) -> str:
-    """What identifies a process group that this process just started: its id, the leader's start
-    time (a reused pid is told apart), the boot and the pid namespace (JSON, kept with the run)."""
-    started = _process_start(pgid)
-    return json.dumps({"pgid": pgid, "start": started[1] if started else None, "boot": me.boot_id, "ns": me.namespace})
-
-
-def _group_members(pgid: int) -> list[str]:
-    """``pid name`` of the live processes of process group ``pgid`` (Linux: from /proc; elsewhere
-    only whether there are any)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    except PermissionError:
-        return ["processes of another user"]
-    if not os.path.isdir("/proc/self"):
-        return ["processes"]
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _process_stat(int(name))
-            if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-                comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
-                found.append(f"{name} ({comm})")
-    return found
-
-
-def _group_alive(record: str, me: _Owner) -> bool | None:
-    """Whether the process group of ``record`` (from ``_group_record``) still has members; None
-    when this process cannot tell (another boot's group is gone; another pid namespace's is unseen)."""
-    group = json.loads(record)
-    if group.get("boot") and me.boot_id and group["boot"] != me.boot_id:
-        return False
-    if group.get("ns") != me.namespace:
-        return None
-    pgid = int(group["pgid"])
-    if not _group_members(pgid):
-        return False
-    leader = _process_stat(pgid)
-    if leader is None or leader[0] in ("Z", "X") or int(leader[19]) == group.get("start"):
-        return True  # the leader, or what it left in its group (a pid is not reused while its group lives)
-    return int(leader[2]) != pgid  # the pid is another process's now; group pgid is ours unless it leads it
-
-
-def _this_owner(instance: str) -> _Owner:
-    pid = os.getpid()
-    started = _process_start(pid)
-    namespace = None
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pass
-    return _Owner(
-        instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id")
-    )
-
-
-def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
-    """Why the process ``owner`` no longer exists, or None when it may be alive.
-
-    Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
-    or a pid now used by a process that started at another time.
-    """
-    if owner.boot_id and me.boot_id and owner.boot_id != me.boot_id:
-        return "the owner's host rebooted"
-    if owner.namespace is None or owner.namespace != me.namespace or me.start is None:
-        return None
-    state = _process_start(owner.pid)
-    if state is None:
-        return f"owner process {owner.pid} exited"
-    if state[0] in ("Z", "X"):
-        return f"owner process {owner.pid} exited (zombie)"
-    if owner.start is not None and state[1] != owner.start:
-        return f"owner process {owner.pid} exited (pid reused)"
-    return None
 
 
 class _Timers(threading.Thread):
@@ -1889,9 +1908,11 @@ class _Heartbeats(threading.Thread):
     ):
         super().__init__(name=name, daemon=True)
         self._store = _Store(
-            path, busy_timeout=busy_timeout, synchronous="NORMAL", lock_poll=0.0005, autocheckpoint=False
+            path, busy_timeout=busy_timeout, synchronous="NORMAL", lock_poll=0.0005, autocheckpoint=False, clock=clock
         )
-        self._loop_store = _Store(path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False)  # never blocks
+        self._loop_store = _Store(  # never blocks the loop
+            path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False, clock=clock
+        )
         self._loop = loop
         self._loop_timer: asyncio.TimerHandle | None = None
         self._clock = clock
@@ -1959,7 +1980,7 @@ class _Heartbeats(threading.Thread):
             return wait
         owner = batch[0].owner
         try:
-            lost = store.renew_all(owner, self._clock.monotonic(), [a.claim for a in batch])
+            lost = store.renew_all(owner, [a.claim for a in batch])
             for attempt in batch:
                 if attempt.progress != attempt.reported:
                     store.report_progress(attempt.claim, owner, attempt.progress)
@@ -2445,7 +2466,6 @@ class RunContext:
     log: logging.LoggerAdapter  # type: ignore[type-arg]
     _attempt: _Attempt = dataclasses.field(repr=False)
     _store: Callable[[Callable[[_Store], Any]], Awaitable[Any]] = dataclasses.field(repr=False)
-    _owner: _Owner = dataclasses.field(repr=False)
 
     def progress(self, done: float, total: float | None = None) -> None:
         """Report progress; it travels with the next heartbeat, never as a write of its own."""
@@ -2531,7 +2551,6 @@ class Scheduler:
         self._jobs: dict[str, _Job] = {}
         self._store_thread: _StoreThread | None = None
         self._registered = False
-        self._owner = _this_owner(self.instance)
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  # attempts' ends waiting to be written
         self._writers: set[asyncio.Task[None]] = set()
@@ -2648,7 +2667,7 @@ class Scheduler:
         """Run ``work(store)`` on the store's own thread; the transaction completes even if the
         awaiting task is cancelled."""
         if self._store_thread is None:
-            store = _Store(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only)
+            store = _Store(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only, clock=self._clock)
             self._store_thread = _StoreThread(store)
             self._store_thread.store.retention = self._retention
         thread = self._store_thread
@@ -2817,8 +2836,7 @@ class Scheduler:
     async def _join(self) -> bool:
         """Record this process among the file's running instances; True if it is the only one."""
         now_ms = _ms(self._clock.time())
-        me = self._owner
-        alone = await self._call_store(lambda s: s.join(me, now_ms, lambda o: _owner_gone(o, me) is not None))
+        alone = await self._call_store(lambda s: s.join(self.instance, now_ms))
         self._rejoin = False
         return alone
 
@@ -2945,6 +2963,7 @@ class Scheduler:
         if version != state.version or state.runs is None or self._dirty:
             self._dirty = False
             jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
+            state.read_at = self._clock.monotonic()
             for row in jobs:
                 self._disagree(row, "holds that one's")
             state.jobs = jobs
@@ -2979,7 +2998,7 @@ class Scheduler:
             state.version = -1
             wait = 0.0
         for run in state.runs or []:
-            again = await self._consider(run, now_ms)
+            again = await self._consider(run, now_ms, state)
             if again is not None:
                 wait = min(wait, again)
                 if again == 0.0:
@@ -3018,16 +3037,18 @@ class Scheduler:
         due = []
         for job, row in ready:
             plan = _plan_due(job, row.last_slot, now_ms)
-            lease = (self._clock.monotonic() + job.options.lease, job.options.lease)
             skip = job.options.overlap == "skip"
-            due.append(_Due(job.name, row.last_slot, plan.slot, plan.next_slot, plan.missed, plan.run, skip, lease))
-        claims = await self._call_store(lambda s: s.claim_due_many(self._owner, now_ms, due))
+            due.append(
+                _Due(job.name, row.last_slot, plan.slot, plan.next_slot, plan.missed, plan.run, skip, job.options.lease)
+            )
+        claims = await self._call_store(lambda s: s.claim_due_many(self.instance, now_ms, due))
         for (job, _row), claim in zip(ready, claims):
             if isinstance(claim, _Claim):
                 self._start(job, claim)
 
-    async def _consider(self, run: _RunRow, now_ms: int) -> float | None:
+    async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
         """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
+        ``run`` was read at ``state.read_at`` (its ``lease_left`` is as of then).
 
         Returns how many seconds from now the run needs another look (0 after a claim), or None.
         """
@@ -3047,15 +3068,15 @@ class Scheduler:
             if run.not_before > now_ms:
                 return (run.not_before - now_ms) / 1000
         else:
-            gone = _owner_gone(run.holder(), self._owner) if run.owner_pid is not None else None
-            left = (run.lease_until or 0.0) - self._clock.monotonic()
+            gone = state.watch.owner_gone(run)
+            left = (run.lease_left or 0.0) - (self._clock.monotonic() - state.read_at)
             if gone is None and left >= 0:
                 return min(self._poll, left + 0.001)  # watch the owner's pid, and its lease
             reason = gone or "lease expired"
-        lease = (self._clock.monotonic() + job.options.lease, job.options.lease)
+        options = job.options
         claim = await self._call_store(
             lambda s: s.claim(
-                run, self._owner, lease, now_ms, job.options.max_attempts, job.options.overlap == "skip", reason
+                run, self.instance, options.lease, now_ms, options.max_attempts, options.overlap == "skip", reason
             )
         )
         if claim is not None:
@@ -3112,7 +3133,6 @@ class Scheduler:
             log=logger,
             _attempt=attempt,
             _store=self._call_store,
-            _owner=self._owner,
         )
 
     async def _call_handler(self, attempt: _Attempt) -> _Outcome:
@@ -3243,6 +3263,7 @@ class _LoopState:
     wait: float = 0.0
     delay: float = 0.0
     recheck: float = 0.0  # after a write seen by the file watch: look again this soon
+    read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
     failing: str | None = None  # the error of the last look, while looks fail
     logged: float = 0.0  # when it was last logged (monotonic)
 
@@ -3560,6 +3581,8 @@ def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext]
     run ends when the shell exits; what it leaves in its group is ended and the output says so.
     """
 
+    me = _this_owner("")  # this process: its boot and pid namespace say where a recorded group can be seen
+
     async def run_command(ctx: RunContext) -> str:
         shell = env.get("SHELL", "/bin/sh")
         variables = {
@@ -3570,7 +3593,7 @@ def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext]
             "ANARCHON_ATTEMPT": str(ctx.attempt),
             "ANARCHON_SCHEDULED_AT": ctx.scheduled_at.isoformat(),
         }
-        await _end_previous_group(ctx)
+        await _end_previous_group(ctx, me)
         proc, exited = await _spawn(
             ("/bin/sh", "-c", _GATE, shell, command),
             stdin=asyncio.subprocess.PIPE,
@@ -3584,7 +3607,7 @@ def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext]
         reader = asyncio.ensure_future(_read_tail(proc, tail))
         try:
             claim, owner = ctx._attempt.claim, ctx._attempt.owner
-            record = _group_record(proc.pid, ctx._owner)
+            record = _group_record(proc.pid, me)
             if not await ctx._store(lambda s: s.set_process_group(claim, owner, record)):
                 raise LeaseLost(f"{ctx.job}: the run was taken over before its command started")
             reaper = await _start_reaper(proc.pid)
@@ -3625,13 +3648,13 @@ _REAPER = (
 _GROUP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for an aborted command's process group
 
 
-async def _end_previous_group(ctx: RunContext) -> None:
+async def _end_previous_group(ctx: RunContext, me: _Owner) -> None:
     """Make sure the command of an earlier attempt of this run is gone before starting another."""
     slot, job = ctx.slot, ctx.job
     record = await ctx._store(lambda s: s.process_group(job, slot))
     if record is None:
         return
-    alive = _group_alive(record, ctx._owner)
+    alive = _group_alive(record, me)
     if alive is None:
         ctx.log.warning("an earlier attempt's command ran in another pid namespace: it cannot be checked from here")
         return
@@ -3642,9 +3665,9 @@ async def _end_previous_group(ctx: RunContext) -> None:
     for signum in (signal.SIGTERM, signal.SIGKILL):
         _kill_group(pgid, signum)
         deadline = time.monotonic() + _GROUP_GRACE
-        while time.monotonic() < deadline and _group_alive(record, ctx._owner):
+        while time.monotonic() < deadline and _group_alive(record, me):
             await asyncio.sleep(0.02)
-        if not _group_alive(record, ctx._owner):
+        if not _group_alive(record, me):
             return
     raise CommandFailed(-1, f"the command of an earlier attempt (process group {pgid}) could not be ended")
 

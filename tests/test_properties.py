@@ -106,6 +106,16 @@ LEASE = 10.0
 SLOT = 1_000_000
 
 
+class _ModelClock(al.Clock):
+    """The model's lease clock, which only its ``time_passes`` rule (and renewals) move."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def monotonic(self):
+        return self._model.mono
+
+
 class StoreMachine(RuleBasedStateMachine):
     """Three processes (three connections, three owners) contend for one run of one job.
 
@@ -121,9 +131,10 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.directory = tempfile.mkdtemp(prefix="anarchon-model-")
         path = os.path.join(self.directory, "jobs.db")
-        self.stores = [al._Store(path, busy_timeout=5) for _ in range(3)]
-        self.owners = [al._Owner(f"p{i}", 10_000 + i, None, None, None) for i in range(3)]
-        self.mono = 1000.0  # the lease clock
+        self.mono = 1000.0  # the lease clock, shared by the three stores
+        clock = _ModelClock(self)
+        self.stores = [al._Store(path, busy_timeout=5, clock=clock) for _ in range(3)]
+        self.owners = [f"p{i}" for i in range(3)]
         self.holder = None  # (process, attempt) holding the run
         self.lease_until = 0.0
         self.version = 0  # moves on with every change to the run's row
@@ -150,9 +161,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(target=claims, process=st.integers(0, 2))
     def claim_the_occurrence(self, process):
-        lease = (self.mono + LEASE, LEASE)
         got = self.stores[process].claim_due(
-            "job", 0, SLOT, SLOT + 1000, [], True, True, self.owners[process], lease, 1
+            "job", 0, SLOT, SLOT + 1000, [], True, True, self.owners[process], LEASE, 1
         )
         if self.state != "none":
             assert got is None  # the watermark moved: someone claimed it first
@@ -173,7 +183,7 @@ class StoreMachine(RuleBasedStateMachine):
     def renew(self, entry):
         process, claim = entry
         self.mono += 0.001  # every renewal writes a new lease_until
-        lost = self.stores[process].renew_all(self.owners[process].instance, self.mono, [claim])
+        lost = self.stores[process].renew_all(self.owners[process], [claim])
         if self.holder == (process, claim.attempt):
             assert lost == []
             self.lease_until = self.mono + LEASE
@@ -186,8 +196,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Claim a pending run, or take over one whose lease ran out, as seen (maybe long ago)."""
         _, row, version = seen
         assume(row is not None and (row.state == "pending" or (row.lease_until or 0) < self.mono))
-        lease = (self.mono + LEASE, LEASE)
-        got = self.stores[process].claim(row, self.owners[process], lease, 1, 100, True, "lease expired")
+        got = self.stores[process].claim(row, self.owners[process], LEASE, 1, 100, True, "lease expired")
         if version != self.version:
             assert got is None  # the row changed since it was seen: compare-and-set refuses
             return multiple()
@@ -197,7 +206,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(entry=claims, then=st.sampled_from(["done", "handover"]))
     def finish(self, entry, then):
         process, claim = entry
-        ok = self.stores[process].finish(claim, self.owners[process].instance, "succeeded", None, 2, then, 0)
+        ok = self.stores[process].finish(claim, self.owners[process], "succeeded", None, 2, then, 0)
         assert ok == (self.holder == (process, claim.attempt))
         if ok:
             self.holder, self.state = None, ("done" if then == "done" else "pending")
@@ -206,7 +215,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(entry=claims, value=st.integers())
     def save_checkpoint(self, entry, value):
         process, claim = entry
-        fence = (claim.attempt, self.owners[process].instance)
+        fence = (claim.attempt, self.owners[process])
         written = self.stores[process].checkpoint_write("job", SLOT, str(value), 3, fence)
         assert written == (self.holder == (process, claim.attempt))
 
@@ -215,7 +224,7 @@ class StoreMachine(RuleBasedStateMachine):
         holding = [
             (process, claim.attempt)
             for process, claim in self.granted
-            if self.stores[0].checkpoint_get("job", SLOT, (claim.attempt, self.owners[process].instance))[0]
+            if self.stores[0].checkpoint_get("job", SLOT, (claim.attempt, self.owners[process]))[0]
         ]
         assert len(holding) <= 1
         assert holding == ([self.holder] if self.holder else [])

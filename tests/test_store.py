@@ -13,8 +13,8 @@ from conftest import run
 import anarchon_lite as al
 from anarchon_lite import Scheduler, StoreError
 
-OWNER = al._Owner("a", os.getpid(), None, None, None)
-OTHER = al._Owner("b", os.getpid(), None, None, None)
+OWNER = "a"
+OTHER = "b"
 
 
 def store(db, **kw):
@@ -103,7 +103,7 @@ def test_full_disk_damages_nothing(db):
 
 
 def claim_due(s, owner, expected=0, slot=1000):
-    return s.claim_due("job", expected, slot, slot + 1000, [], True, True, owner, (time.monotonic() + 30, 30), slot)
+    return s.claim_due("job", expected, slot, slot + 1000, [], True, True, owner, 30, slot)
 
 
 def test_exactly_one_claim_wins_across_connections(db):
@@ -114,7 +114,7 @@ def test_exactly_one_claim_wins_across_connections(db):
     def contender(i):
         s = al._Store(db)
         barrier.wait()
-        results.append(claim_due(s, al._Owner(f"p{i}", os.getpid(), None, None, None)))
+        results.append(claim_due(s, f"p{i}"))
         s.close()
 
     threads = [threading.Thread(target=contender, args=(i,)) for i in range(8)]
@@ -132,9 +132,9 @@ def test_fencing_refuses_a_superseded_attempt(db):
     assert first.attempt == 1
     row = s.runs()[0]
     # b takes over (as if a's lease ran out)
-    second = s.claim(row, OTHER, (time.monotonic() + 30, 30), 2000, 10, True, "lease expired")
+    second = s.claim(row, OTHER, 30, 2000, 10, True, "lease expired")
     assert second.attempt == 2
-    assert s.renew_all("a", time.monotonic(), [first]) == [first]
+    assert s.renew_all("a", [first]) == [first]
     assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
     assert s.checkpoint_get("job", 1000, (1, "a"))[0] is False  # reads are fenced too
     assert s.checkpoint_get("job", 1000, (2, "b"))[0] is True
@@ -144,16 +144,16 @@ def test_fencing_refuses_a_superseded_attempt(db):
     assert s.checkpoint_get("job", 1000) == (True, '"fresh"')
     assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
     # the row a saw is gone: its compare-and-set claim does nothing
-    assert s.claim(row, OWNER, (time.monotonic() + 30, 30), 4000, 10, True) is None
+    assert s.claim(row, OWNER, 30, 4000, 10, True) is None
 
 
 def test_a_renewed_lease_cannot_be_taken_over(db):
     s = store(db)
     claim = claim_due(s, OWNER)
     seen = s.runs()[0]
-    assert s.renew_all("a", time.monotonic() + 30, [claim]) == []
+    assert s.renew_all("a", [claim]) == []
     s.report_progress(claim, "a", (3, 10))
-    assert s.claim(seen, OTHER, (time.monotonic() + 30, 30), 2000, 10, True, "lease expired") is None
+    assert s.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
     assert s.runs()[0].progress_done == 3
 
 
