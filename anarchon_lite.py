@@ -1770,6 +1770,139 @@ def _explain(exc: sqlite3.Error) -> str:
     return text
 
 
+class _FileWatch:
+    """Wakes the event loop when any process writes the database (Linux inotify, via ctypes).
+
+    Every commit appends to the ``-wal`` file, so an idle process sleeps until something changes
+    instead of polling. ``start`` returns None where inotify is not available; the scheduler then
+    polls the file every ``poll`` seconds.
+    """
+
+    # Writes, and the file being replaced or deleted (the scheduler then reopens the path).
+    _IN_MODIFY, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x2, 0x40, 0x80, 0x100, 0x200
+
+    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, prefix: bytes, on_change: Callable[[], None]):
+        self._fd, self._loop, self._prefix, self._on_change = fd, loop, prefix, on_change
+
+    @classmethod
+    def start(cls, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> _FileWatch | None:
+        if not sys.platform.startswith("linux"):
+            return None
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd < 0:
+                return None
+            path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
+            directory = os.path.dirname(os.path.abspath(path)).encode()
+            mask = cls._IN_MODIFY | cls._IN_MOVED_FROM | cls._IN_MOVED_TO | cls._IN_CREATE | cls._IN_DELETE
+            if libc.inotify_add_watch(fd, directory, mask) < 0:
+                os.close(fd)
+                return None
+        except (OSError, AttributeError):
+            return None
+        watch = cls(fd, loop, os.path.basename(path).encode(), on_change)
+        loop.add_reader(fd, watch._read)
+        return watch
+
+    def _read(self) -> None:
+        changed = False
+        while True:
+            try:
+                data = os.read(self._fd, 65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            offset = 0
+            while offset + 16 <= len(data):
+                length = int.from_bytes(data[offset + 12 : offset + 16], sys.byteorder)
+                name = data[offset + 16 : offset + 16 + length].rstrip(b"\0")
+                changed = changed or name.startswith(self._prefix)
+                offset += 16 + length
+        if changed:
+            self._on_change()
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        os.close(self._fd)
+
+
+class _Changes:
+    """What the scheduler's loop asks between transactions, on the event loop's thread: whether
+    anything may have changed (``version()``, one ``PRAGMA data_version``: microseconds), whether the
+    state the store held was lost (the file deleted or replaced), and whether a run's owner is gone.
+    ``on_change`` is called when another process may have written (inotify on the real file's
+    directory); without it (``poll``, or no inotify), ``pushed`` is False and the loop polls."""
+
+    def __init__(
+        self, path: str, clock: Clock, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool
+    ):
+        self._store = _Store(path, busy_timeout=0.05, clock=clock)
+        self._files = None if poll else _FileWatch.start(path, loop, on_change)
+
+    @property
+    def pushed(self) -> bool:
+        """Whether ``on_change`` tells of other processes' writes (else: look every so often)."""
+        return self._files is not None
+
+    def version(self) -> int:
+        """A number that changes when another connection commits; -2 when the file cannot be read."""
+        try:
+            return self._store.data_version()
+        except StoreError:
+            return -2
+
+    def lost(self) -> str | None:
+        """``"deleted"`` or ``"replaced"`` when the file this process opened is no longer at its path."""
+        return self._store.file_changed()
+
+    def owner_gone(self, run: _RunRow) -> str | None:
+        return self._store.owner_gone(run)
+
+    def reset(self) -> None:
+        """Let go of the file; the next call opens the path again."""
+        self._store.close()
+
+    def close(self) -> None:
+        if self._files is not None:
+            self._files.close()
+        self._store.close()
+
+
+class _SQLite:
+    """Where the scheduler's state lives: opens the store connections each of its threads uses
+    (each ``_Store`` belongs to one thread) and the loop's ``_Changes``."""
+
+    def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int):
+        self.path, self._clock, self._busy_timeout = path, clock, busy_timeout
+        self._read_only, self._retention = read_only, retention
+
+    def main(self) -> _Store:
+        """The scheduler's own connection: claims, ends, checkpoints, control (``synchronous=FULL``)."""
+        store = _Store(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only, clock=self._clock)
+        store.retention = self._retention
+        return store
+
+    def heartbeat(self) -> _Store:
+        """The heartbeat thread's: looks for the write lock every 0.5 ms, never checkpoints in a commit."""
+        return _Store(
+            self.path,
+            busy_timeout=self._busy_timeout,
+            synchronous="NORMAL",
+            lock_poll=0.0005,
+            autocheckpoint=False,
+            clock=self._clock,
+        )
+
+    def fallback(self) -> _Store:
+        """The event loop's fallback renewal: never waits for the lock (it must not block the loop)."""
+        return _Store(self.path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False, clock=self._clock)
+
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
+        return _Changes(self.path, self._clock, loop, on_change, poll)
+
+
 ###############################################################################
 # Leases and heartbeats #######################################################
 ###############################################################################
@@ -1899,20 +2032,15 @@ class _Heartbeats(threading.Thread):
 
     def __init__(
         self,
-        path: str,
+        backend: _SQLite,
         clock: Clock,
-        busy_timeout: float,
         name: str,
         loop: asyncio.AbstractEventLoop,
         switch_interval: float | None,
     ):
         super().__init__(name=name, daemon=True)
-        self._store = _Store(
-            path, busy_timeout=busy_timeout, synchronous="NORMAL", lock_poll=0.0005, autocheckpoint=False, clock=clock
-        )
-        self._loop_store = _Store(  # never blocks the loop
-            path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False, clock=clock
-        )
+        self._store = backend.heartbeat()
+        self._loop_store = backend.fallback()  # never blocks the loop
         self._loop = loop
         self._loop_timer: asyncio.TimerHandle | None = None
         self._clock = clock
@@ -2123,64 +2251,6 @@ class _Watchdog:
                     self._describe(self._loop_thread),
                 )
             self._schedule()
-
-
-class _FileWatch:
-    """Wakes the event loop when any process writes the database (Linux inotify, via ctypes).
-
-    Every commit appends to the ``-wal`` file, so an idle process sleeps until something changes
-    instead of polling. ``start`` returns None where inotify is not available; the scheduler then
-    polls the file every ``poll`` seconds.
-    """
-
-    # Writes, and the file being replaced or deleted (the scheduler then reopens the path).
-    _IN_MODIFY, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x2, 0x40, 0x80, 0x100, 0x200
-
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, prefix: bytes, on_change: Callable[[], None]):
-        self._fd, self._loop, self._prefix, self._on_change = fd, loop, prefix, on_change
-
-    @classmethod
-    def start(cls, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> _FileWatch | None:
-        if not sys.platform.startswith("linux"):
-            return None
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-            if fd < 0:
-                return None
-            path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
-            directory = os.path.dirname(os.path.abspath(path)).encode()
-            mask = cls._IN_MODIFY | cls._IN_MOVED_FROM | cls._IN_MOVED_TO | cls._IN_CREATE | cls._IN_DELETE
-            if libc.inotify_add_watch(fd, directory, mask) < 0:
-                os.close(fd)
-                return None
-        except (OSError, AttributeError):
-            return None
-        watch = cls(fd, loop, os.path.basename(path).encode(), on_change)
-        loop.add_reader(fd, watch._read)
-        return watch
-
-    def _read(self) -> None:
-        changed = False
-        while True:
-            try:
-                data = os.read(self._fd, 65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            offset = 0
-            while offset + 16 <= len(data):
-                length = int.from_bytes(data[offset + 12 : offset + 16], sys.byteorder)
-                name = data[offset + 16 : offset + 16 + length].rstrip(b"\0")
-                changed = changed or name.startswith(self._prefix)
-                offset += 16 + length
-        if changed:
-            self._on_change()
-
-    def close(self) -> None:
-        self._loop.remove_reader(self._fd)
-        os.close(self._fd)
 
 
 ###############################################################################
@@ -2548,6 +2618,7 @@ class Scheduler:
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
         self._read_only = read_only
+        self._backend = _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
         self._jobs: dict[str, _Job] = {}
         self._store_thread: _StoreThread | None = None
         self._registered = False
@@ -2667,9 +2738,7 @@ class Scheduler:
         """Run ``work(store)`` on the store's own thread; the transaction completes even if the
         awaiting task is cancelled."""
         if self._store_thread is None:
-            store = _Store(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only, clock=self._clock)
-            self._store_thread = _StoreThread(store)
-            self._store_thread.store.retention = self._retention
+            self._store_thread = _StoreThread(self._backend.main())
         thread = self._store_thread
         if not self._registered and self._jobs:
             now = _ms(self._clock.time())
@@ -2851,19 +2920,13 @@ class Scheduler:
         self._poked = False
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = _Heartbeats(
-            self.path,
-            self._clock,
-            self._busy_timeout,
-            f"anarchon-heartbeat-{self.instance}",
-            loop,
-            self._switch_interval,
+            self._backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
         )
         self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
         self._timers.start()
         self._heartbeats.start()
-        loop_state = _LoopState(_Store(self.path, busy_timeout=0.05))
-        watch = None if self._polling else _FileWatch.start(self.path, loop, self._file_written)
-        self._idle = _CLOCK_CHECK if watch is not None else self._poll
+        loop_state = _LoopState(self._backend.changes(loop, self._file_written, self._polling))
+        self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
         try:
             while not self._stopping:
                 self._poked = False  # a wake from now on means: look again after this tick
@@ -2884,8 +2947,6 @@ class Scheduler:
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
             await self._drain()
         finally:
-            if watch is not None:
-                watch.close()
             loop_state.watch.close()
             self._timers.stop()
             self._heartbeats.stop()
@@ -2942,11 +3003,8 @@ class Scheduler:
     async def _tick(self, state: _LoopState) -> None:
         now = self._clock.time()
         now_ms = _ms(now)
-        try:  # a few microseconds on this thread; the store thread only when something changed
-            version = state.watch.data_version()
-        except StoreError:
-            version = -2
-        change = state.watch.file_changed()
+        version = state.watch.version()  # microseconds on this thread; the store thread only on a change
+        change = state.watch.lost()
         if change is not None:
             await self._reopen(state, change)
         if self._rejoin:
@@ -3016,7 +3074,7 @@ class Scheduler:
         )
         for attempt in list(self._attempts.values()):
             attempt.token.abort(LeaseLost(f"{attempt.claim.job}: the database file {self.path} was {change}"))
-        state.watch.close()
+        state.watch.reset()
         if self._store_thread is not None:
             await self._store_thread.call(lambda s: s.close())
         if self._heartbeats is not None:
@@ -3255,7 +3313,7 @@ class Scheduler:
 
 @dataclasses.dataclass
 class _LoopState:
-    watch: _Store  # used on the event loop's thread for ``data_version`` only
+    watch: _Changes  # what the loop asks between transactions, on its own thread
     version: int = -1
     jobs: list[_JobRow] | None = None
     runs: list[_RunRow] | None = None
