@@ -26,6 +26,7 @@ another process takes the run over as the next attempt, and a checkpoint store l
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import bisect
@@ -33,6 +34,7 @@ import concurrent.futures
 import contextvars
 import dataclasses
 import datetime as _dt
+import enum
 import functools
 import hashlib
 import heapq
@@ -771,6 +773,367 @@ def _rule_text(rule: _rrule.rrule) -> str:
 
 
 ###############################################################################
+# The store interface #########################################################
+###############################################################################
+#
+# The records the scheduler and a store exchange, and the interface every store implements. The
+# scheduler is given a ``_Backend``; it never opens a file, reads /proc or names a lease clock.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Owner:
+    """Who holds a run: the instance id and what tells whether its process still exists."""
+
+    instance: str
+    pid: int
+    start: int | None
+    namespace: str | None
+    boot_id: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobRow:
+    name: str
+    schedule: str
+    paused: bool
+    last_slot: int
+    next_slot: int | None
+    definition: str | None = None  # what the process that registered it last declared
+    declared_by: str | None = None  # that process's instance
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+    """A job as this process declares it, for ``register``."""
+
+    name: str
+    schedule: str  # the schedule's description
+    last_slot: int  # the watermark of a job new to the file: now
+    next_slot: int | None
+    definition: str  # the schedule, and the command of a crontab entry
+    declared_by: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunRow:
+    job: str
+    slot: int
+    attempt: int
+    state: str
+    not_before: int
+    failures: int
+    owner: str | None
+    owner_pid: int | None
+    owner_start: int | None
+    owner_ns: str | None
+    boot_id: str | None
+    lease_until: float | None
+    cancel: bool
+    progress_done: float | None
+    progress_total: float | None
+    started_at: int | None
+    # Seconds the lease had left when the row was read, on the store's lease clock (not a column;
+    # not part of a compare-and-set): the scheduler ages it by its own elapsed time since the read.
+    lease_left: float | None = dataclasses.field(default=None, compare=False)
+
+    def holder(self) -> _Owner:
+        return _Owner(self.owner or "", self.owner_pid or 0, self.owner_start, self.owner_ns, self.boot_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+    job: str
+    slot: int
+    attempt: int
+    failures: int = 0
+
+
+class _Claimless(enum.Enum):
+    """What ``claim_due_many`` did for a job when it did not claim a run of it."""
+
+    MOVED = "moved"  # another process moved the job's watermark first: nothing was written
+    RECORDED = "recorded"  # the occurrence was recorded without running: skipped, or missed
+
+
+_Claimed = Union[_Claim, _Claimless]
+
+
+class _Then(enum.Enum):
+    """What becomes of a run after an attempt ends."""
+
+    DONE = "done"  # the run is over
+    RETRY = "retry"  # another attempt, after the backoff (``not_before``)
+    HANDOVER = "handover"  # another attempt at once, by any process (a shutdown)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Due:
+    """What to do with a job's due occurrences, for ``claim_due_many``."""
+
+    job: str
+    expected_last: int  # the watermark as the scheduler saw it (compare-and-set)
+    slot: int  # the occurrence to run, or the newest one recorded
+    next_slot: int | None
+    missed: Sequence[tuple[int, str | None]]  # (slot, error) of the occurrences recorded missed
+    run: bool
+    skip_if_busy: bool
+    lease: float  # seconds; the store stamps its expiry on its own clock
+
+
+@dataclasses.dataclass(frozen=True)
+class _End:
+    """How an attempt ended, for ``finish_many``."""
+
+    claim: _Claim
+    status: str
+    error: str | None
+    now_ms: int
+    then: _Then = _Then.DONE
+    not_before: int = 0
+    output: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """One history record: an attempt, or an occurrence that was skipped or missed (attempt 0)."""
+
+    job: str
+    slot: int
+    attempt: int
+    status: str
+    instance: str | None
+    started_at: _dt.datetime | None
+    finished_at: _dt.datetime | None
+    error: str | None
+    output: str | None = None  # what the handler returned, if a string (the last 4 KiB)
+
+    @property
+    def scheduled_at(self) -> _dt.datetime:
+        return _utc_from_ms(self.slot)
+
+
+def _dt_or_none(ms: int | None) -> _dt.datetime | None:
+    return None if ms is None else _utc_from_ms(ms)
+
+
+class _Store(abc.ABC):
+    """The state every process of a group shares, behind the one interface the scheduler calls.
+
+    Each method is one transaction, atomic against every other process: it happens whole or not at
+    all. Every write of an attempt (its checkpoints, its progress, its end) checks in that same
+    transaction that the attempt still holds its run (the fence), and does nothing if not. Leases
+    are stamped and compared on the store's own clock: the scheduler passes durations. A store
+    object belongs to one thread at a time and never crosses a ``fork()``; failures raise
+    ``StoreError`` naming where the state lives, and change nothing.
+    """
+
+    retention = 1000  # history records kept per job
+
+    # -- jobs
+
+    @abc.abstractmethod
+    def register(self, jobs: Sequence[_Declared]) -> list[_JobRow]:
+        """Add the jobs not yet known, with their watermark (now: nothing earlier counts as missed);
+        update the others' schedule text and definition, and their next occurrence if the schedule
+        changed. Returns the rows, as they were, of jobs another process had declared differently."""
+
+    @abc.abstractmethod
+    def jobs(self) -> list[_JobRow]:
+        """Every job, ordered by name."""
+
+    def job(self, name: str) -> _JobRow | None:
+        """The job ``name``, or None."""
+        return next((row for row in self.jobs() if row.name == name), None)
+
+    @abc.abstractmethod
+    def newest_slot(self) -> int | None:
+        """The newest occurrence recorded for any job (a clock earlier than this is unset)."""
+
+    @abc.abstractmethod
+    def set_paused(self, name: str, paused: bool, now_ms: int) -> bool:
+        """Pause or resume on every process; resuming moves the watermark to now (a pause is not
+        downtime). False if there is no such job."""
+
+    # -- runs
+
+    @abc.abstractmethod
+    def runs(self) -> list[_RunRow]:
+        """The unfinished runs, each with the seconds its lease had left when read (``lease_left``)."""
+
+    @abc.abstractmethod
+    def claim_due_many(self, owner: str, now_ms: int, due: Sequence[_Due]) -> list[_Claimed]:
+        """For each job, record its due occurrences up to ``slot`` and claim ``slot`` for ``owner``,
+        all in one transaction. Per job a compare-and-set on its watermark: ``MOVED`` when another
+        process moved it first (nothing written for that job), ``RECORDED`` when the occurrence was
+        recorded without running (skipped because an earlier run is unfinished, or missed), else the
+        claim of attempt 1."""
+
+    def claim_due(self, owner: str, now_ms: int, due: _Due) -> _Claimed:
+        """``claim_due_many`` for one job."""
+        return self.claim_due_many(owner, now_ms, [due])[0]
+
+    @abc.abstractmethod
+    def claim(
+        self,
+        expected: _RunRow,
+        owner: str,
+        lease: float,
+        now_ms: int,
+        max_attempts: int,
+        skip_if_busy: bool,
+        reason: str = "",
+    ) -> _Claim | None:
+        """Claim a pending run, or take over a running one whose owner is gone (``reason`` says
+        why), for ``lease`` seconds. A compare-and-set on the whole row as the caller saw it: if the
+        owner renewed, or another process claimed first, nothing is written and None returned. A
+        takeover records the previous attempt ``interrupted``; past ``max_attempts`` the run is
+        ``failed`` for good, a cancelled one ``cancelled``; under ``skip_if_busy`` an occurrence that
+        has not started while another run of the job is unfinished is ``skipped``."""
+
+    @abc.abstractmethod
+    def owner_gone(self, run: _RunRow) -> str | None:
+        """Why the process holding ``run`` no longer exists, or None when it may be alive (then only
+        its lease decides). Cheap enough to ask for every run at every look."""
+
+    # -- an attempt's writes (fenced)
+
+    @abc.abstractmethod
+    def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
+        """Extend the leases of ``claims`` by each run's lease from now, at once; return those that
+        no longer hold their run."""
+
+    @abc.abstractmethod
+    def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
+        """Record the attempt's progress (done, total), fenced."""
+
+    @abc.abstractmethod
+    def set_process_group(self, claim: _Claim, owner: str, group: str) -> bool:
+        """Record, fenced, the process group the attempt started (JSON), so that a later attempt of
+        the run can make sure it is gone first. Returns whether it was written."""
+
+    @abc.abstractmethod
+    def process_group(self, job: str, slot: int) -> str | None:
+        """The process group last recorded by an attempt of (job, slot), or None."""
+
+    @abc.abstractmethod
+    def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
+        """End attempts of ``owner``, in one transaction. Each is fenced: False (nothing written)
+        if the attempt no longer holds its run. ``DONE`` deletes the run (and prunes the job's
+        history to ``retention`` records, never an unfinished run's); ``RETRY`` and ``HANDOVER`` leave
+        it pending, claimable from ``not_before``. The attempt's record becomes the job's newest."""
+
+    def finish(self, owner: str, end: _End) -> bool:
+        """``finish_many`` for one attempt."""
+        return self.finish_many(owner, [end])[0]
+
+    # -- requests from any process
+
+    @abc.abstractmethod
+    def trigger(self, job: str, now_ms: int) -> int:
+        """Record a run of ``job`` due now; return its slot (now, or the next free millisecond).
+        ``ConfigError`` if there is no such job."""
+
+    @abc.abstractmethod
+    def cancel(self, job: str, now_ms: int) -> int:
+        """Ask every unfinished run of ``job`` to stop; pending ones end ``cancelled`` at once.
+        Returns how many runs were asked."""
+
+    # -- running processes
+
+    @abc.abstractmethod
+    def join(self, instance: str, now_ms: int) -> bool:
+        """Record this process (as ``instance``) as running and forget those that are gone; True if
+        no other one is running: the start of a group of processes (what ``@reboot`` runs on)."""
+
+    @abc.abstractmethod
+    def leave(self, instance: str) -> None:
+        """Forget this process (it stops)."""
+
+    # -- checkpoints and history
+
+    @abc.abstractmethod
+    def checkpoint_get(self, job: str, slot: int, fence: tuple[int, str] | None = None) -> tuple[bool, str | None]:
+        """(whether the attempt ``fence`` = (attempt, owner) still holds the run, the saved JSON),
+        read together; with no fence the first is True."""
+
+    @abc.abstractmethod
+    def checkpoint_write(
+        self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
+    ) -> bool:
+        """Save (or, with ``value`` None, delete) the JSON checkpoint of (job, slot); with a fence,
+        only while that attempt holds the run. Returns whether it was written. Visible to every
+        process once it returns."""
+
+    @abc.abstractmethod
+    def history(self, job: str | None, limit: int) -> list[RunRecord]:
+        """The newest ``limit`` records (of ``job``, or of every job), newest first."""
+
+    # -- upkeep
+
+    @abc.abstractmethod
+    def maintain(self) -> None:
+        """Upkeep that must not delay a renewal, done by the heartbeat thread after its rounds."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Let go of the connection; the next call opens it again."""
+
+
+class _Changes(abc.ABC):
+    """What the scheduler's loop asks between transactions, on the event loop's thread. The store
+    calls the ``on_change`` it was given when another process may have written (``pushed``); else the
+    loop looks every so often."""
+
+    @property
+    @abc.abstractmethod
+    def pushed(self) -> bool:
+        """Whether other processes' writes are told through ``on_change``."""
+
+    @abc.abstractmethod
+    def version(self) -> int:
+        """A number that changes when another process commits (cheap: no transaction); -2 when the
+        state cannot be read."""
+
+    @abc.abstractmethod
+    def lost(self) -> str | None:
+        """Why the state this process was using is gone (the database was deleted or replaced), or
+        None. The scheduler then aborts its attempts, closes every store and opens them again."""
+
+    @abc.abstractmethod
+    def owner_gone(self, run: _RunRow) -> str | None:
+        """As ``_Store.owner_gone``."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Let go of the state; the next call opens it again."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop telling of changes and let go."""
+
+
+class _Backend(abc.ABC):
+    """Where the state lives: opens the store each thread of the scheduler uses, and the loop's
+    ``_Changes``. Everything that depends on where the state lives is behind it."""
+
+    @abc.abstractmethod
+    def main(self) -> _Store:
+        """The scheduler's own store: claims, ends, checkpoints, control; durable when a call returns."""
+
+    @abc.abstractmethod
+    def heartbeat(self) -> _Store:
+        """The heartbeat thread's: renewals that wait for contention as briefly as they can."""
+
+    @abc.abstractmethod
+    def fallback(self) -> _Store:
+        """The event loop's fallback renewal: must never block."""
+
+    @abc.abstractmethod
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
+        """The loop's view of changes; with ``poll``, ``on_change`` is never called."""
+
+
+###############################################################################
 # The SQLite store ############################################################
 ###############################################################################
 
@@ -948,124 +1311,6 @@ _SQL_CHECKPOINT_SET = (
 _SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Owner:
-    """Who holds a run: the instance id and what tells whether its process still exists."""
-
-    instance: str
-    pid: int
-    start: int | None
-    namespace: str | None
-    boot_id: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _JobRow:
-    name: str
-    schedule: str
-    paused: bool
-    last_slot: int
-    next_slot: int | None
-    definition: str | None = None  # what the process that registered it last declared
-    declared_by: str | None = None  # that process's instance
-
-
-@dataclasses.dataclass(frozen=True)
-class _Declared:
-    """A job as this process declares it, for ``register``."""
-
-    name: str
-    schedule: str  # the schedule's description
-    last_slot: int  # the watermark of a job new to the file: now
-    next_slot: int | None
-    definition: str  # the schedule, and the command of a crontab entry
-    declared_by: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _RunRow:
-    job: str
-    slot: int
-    attempt: int
-    state: str
-    not_before: int
-    failures: int
-    owner: str | None
-    owner_pid: int | None
-    owner_start: int | None
-    owner_ns: str | None
-    boot_id: str | None
-    lease_until: float | None
-    cancel: bool
-    progress_done: float | None
-    progress_total: float | None
-    started_at: int | None
-    # Seconds the lease had left when the row was read, on the store's lease clock (not a column;
-    # not part of a compare-and-set): the scheduler ages it by its own elapsed time since the read.
-    lease_left: float | None = dataclasses.field(default=None, compare=False)
-
-    def holder(self) -> _Owner:
-        return _Owner(self.owner or "", self.owner_pid or 0, self.owner_start, self.owner_ns, self.boot_id)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Claim:
-    job: str
-    slot: int
-    attempt: int
-    failures: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Due:
-    """What to do with a job's due occurrences, for ``claim_due_many``."""
-
-    job: str
-    expected_last: int  # the watermark as the scheduler saw it (compare-and-set)
-    slot: int  # the occurrence to run, or the newest one recorded
-    next_slot: int | None
-    missed: Sequence[tuple[int, str | None]]  # (slot, error) of the occurrences recorded missed
-    run: bool
-    skip_if_busy: bool
-    lease: float  # seconds; the store stamps its expiry on its own clock
-
-
-@dataclasses.dataclass(frozen=True)
-class _End:
-    """How an attempt ended, for ``finish_many``."""
-
-    claim: _Claim
-    status: str
-    error: str | None
-    now_ms: int
-    then: str = "done"  # "done", "retry" (after backoff, until not_before) or "handover"
-    not_before: int = 0
-    output: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class RunRecord:
-    """One history record: an attempt, or an occurrence that was skipped or missed (attempt 0)."""
-
-    job: str
-    slot: int
-    attempt: int
-    status: str
-    instance: str | None
-    started_at: _dt.datetime | None
-    finished_at: _dt.datetime | None
-    error: str | None
-    output: str | None = None  # what the handler returned, if a string (the last 4 KiB)
-
-    @property
-    def scheduled_at(self) -> _dt.datetime:
-        return _utc_from_ms(self.slot)
-
-
-def _dt_or_none(ms: int | None) -> _dt.datetime | None:
-    return None if ms is None else _utc_from_ms(ms)
-
-
 def _read_text(path: str) -> str | None:
     try:
         with open(path) as handle:
@@ -1164,14 +1409,13 @@ def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
     return None
 
 
-class _Store:
-    """All the SQL of anarchon_lite, behind one small interface.
+class _SQLiteStore(_Store):
+    """The store in one SQLite file in WAL mode, shared by the processes of one host.
 
     Each method is one transaction on this object's own connection: read-then-write transactions
     start with ``BEGIN IMMEDIATE`` so they wait (bounded by ``busy_timeout``) for the write lock
-    instead of failing on an upgrade, and every write of an attempt checks in the same transaction
-    that the attempt still holds its run (the fence). A store object belongs to one thread at a time.
-    A PostgreSQL store for several hosts would implement the same methods.
+    instead of failing on an upgrade. Leases are on the clock's ``monotonic()``; owners are judged
+    by pid, start time, pid namespace and boot id (``_owner_gone``).
     """
 
     def __init__(
@@ -1383,7 +1627,7 @@ class _Store:
         except sqlite3.Error as exc:
             raise StoreError(self.path, _explain(exc)) from None
 
-    def checkpoint(self) -> None:
+    def maintain(self) -> None:
         """Write the WAL back into the file if it holds more than ``_WAL_LIMIT`` (never waiting for
         readers or writers: a passive checkpoint)."""
         try:
@@ -1446,50 +1690,25 @@ class _Store:
 
     # -- claims -----------------------------------------------------------------------------------
 
-    def claim_due(
-        self,
-        job: str,
-        expected_last: int,
-        slot: int,
-        next_slot: int | None,
-        missed: Sequence[tuple[int, str | None]],
-        run: bool,
-        skip_if_busy: bool,
-        owner: str,
-        lease: float,
-        now_ms: int,
-    ) -> None | bool | _Claim:
-        """Record the occurrences up to ``slot`` and claim ``slot`` for ``owner``.
-
-        Atomic compare-and-set on the job's watermark: returns ``None`` when another process moved
-        it first (nothing written), ``False`` when ``slot`` was recorded without running (skipped,
-        or missed when ``run`` is false), else the claim of attempt 1.
-        """
-        due = _Due(job, expected_last, slot, next_slot, missed, run, skip_if_busy, lease)
-        return self.claim_due_many(owner, now_ms, [due])[0]
-
-    def claim_due_many(self, owner: str, now_ms: int, due: Sequence[_Due]) -> list[None | bool | _Claim]:
-        """``claim_due`` for several jobs in one transaction: one commit (one sync) however many
-        jobs are due at once."""
-
-        def work(conn: sqlite3.Connection) -> list[None | bool | _Claim]:
+    def claim_due_many(self, owner: str, now_ms: int, due: Sequence[_Due]) -> list[_Claimed]:
+        def work(conn: sqlite3.Connection) -> list[_Claimed]:
             return [self._claim_due(conn, owner, now_ms, item) for item in due]
 
         return self._write(work)
 
-    def _claim_due(self, conn: sqlite3.Connection, owner: str, now_ms: int, due: _Due) -> None | bool | _Claim:
+    def _claim_due(self, conn: sqlite3.Connection, owner: str, now_ms: int, due: _Due) -> _Claimed:
         job, slot = due.job, due.slot
         if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
-            return None
+            return _Claimless.MOVED
         records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
         conn.executemany(_SQL_RECORD, records)
         if due.missed:
             self._prune(conn, job)
         if not due.run:
-            return False
+            return _Claimless.RECORDED
         if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
             self._skip(conn, job, slot, owner, now_ms)
-            return False
+            return _Claimless.RECORDED
         conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
         return self._take(conn, job, slot, owner, due.lease, now_ms)
 
@@ -1590,27 +1809,7 @@ class _Store:
                 raise StoreError(self.path, _explain(exc)) from None
             time.sleep(self._lock_poll)
 
-    def finish(
-        self,
-        claim: _Claim,
-        owner: str,
-        status: str,
-        error: str | None,
-        now_ms: int,
-        then: str = "done",
-        not_before: int = 0,
-        output: str | None = None,
-    ) -> bool:
-        """End an attempt with ``status``; ``then`` is ``"done"``, ``"retry"`` or ``"handover"``.
-
-        Fenced: returns False and writes nothing if the attempt no longer holds the run. ``retry``
-        and ``handover`` leave the run pending (claimable from ``not_before``) for the next attempt.
-        """
-        return self.finish_many(owner, [_End(claim, status, error, now_ms, then, not_before, output)])[0]
-
     def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
-        """``finish`` for several attempts of ``owner`` in one transaction (one commit, one sync)."""
-
         def work(conn: sqlite3.Connection) -> list[bool]:
             return [self._finish(conn, owner, end) for end in ends]
 
@@ -1621,18 +1820,16 @@ class _Store:
         if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
             return False
         conn.execute(_SQL_FINISH_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
-        if end.then == "done":
+        if end.then is _Then.DONE:
             conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
         else:
-            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then == "retry"), job, slot))
+            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then is _Then.RETRY), job, slot))
         return True
 
     def _prune(self, conn: sqlite3.Connection, job: str) -> None:
         conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
         conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
-
-    retention = 1000
 
     # -- requests from any process ----------------------------------------------------------------
 
@@ -1828,40 +2025,35 @@ class _FileWatch:
         os.close(self._fd)
 
 
-class _Changes:
-    """What the scheduler's loop asks between transactions, on the event loop's thread: whether
-    anything may have changed (``version()``, one ``PRAGMA data_version``: microseconds), whether the
-    state the store held was lost (the file deleted or replaced), and whether a run's owner is gone.
-    ``on_change`` is called when another process may have written (inotify on the real file's
-    directory); without it (``poll``, or no inotify), ``pushed`` is False and the loop polls."""
+class _SQLiteChanges(_Changes):
+    """Changes to an SQLite file: ``on_change`` from inotify on the real file's directory (every
+    commit appends to the ``-wal``); ``version()`` is one ``PRAGMA data_version`` (microseconds);
+    ``lost()`` compares the file at the path with the one opened. No inotify (or ``poll``): not
+    ``pushed``."""
 
     def __init__(
         self, path: str, clock: Clock, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool
     ):
-        self._store = _Store(path, busy_timeout=0.05, clock=clock)
+        self._store: _SQLiteStore = _SQLiteStore(path, busy_timeout=0.05, clock=clock)
         self._files = None if poll else _FileWatch.start(path, loop, on_change)
 
     @property
     def pushed(self) -> bool:
-        """Whether ``on_change`` tells of other processes' writes (else: look every so often)."""
         return self._files is not None
 
     def version(self) -> int:
-        """A number that changes when another connection commits; -2 when the file cannot be read."""
         try:
             return self._store.data_version()
         except StoreError:
             return -2
 
     def lost(self) -> str | None:
-        """``"deleted"`` or ``"replaced"`` when the file this process opened is no longer at its path."""
         return self._store.file_changed()
 
     def owner_gone(self, run: _RunRow) -> str | None:
         return self._store.owner_gone(run)
 
     def reset(self) -> None:
-        """Let go of the file; the next call opens the path again."""
         self._store.close()
 
     def close(self) -> None:
@@ -1870,23 +2062,20 @@ class _Changes:
         self._store.close()
 
 
-class _SQLite:
-    """Where the scheduler's state lives: opens the store connections each of its threads uses
-    (each ``_Store`` belongs to one thread) and the loop's ``_Changes``."""
+class _SQLite(_Backend):
+    """The SQLite file at ``path``: one connection per thread of the scheduler."""
 
     def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int):
         self.path, self._clock, self._busy_timeout = path, clock, busy_timeout
         self._read_only, self._retention = read_only, retention
 
-    def main(self) -> _Store:
-        """The scheduler's own connection: claims, ends, checkpoints, control (``synchronous=FULL``)."""
-        store = _Store(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only, clock=self._clock)
+    def main(self) -> _Store:  # synchronous=FULL
+        store = _SQLiteStore(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only, clock=self._clock)
         store.retention = self._retention
         return store
 
-    def heartbeat(self) -> _Store:
-        """The heartbeat thread's: looks for the write lock every 0.5 ms, never checkpoints in a commit."""
-        return _Store(
+    def heartbeat(self) -> _Store:  # looks for the write lock every 0.5 ms; never checkpoints in a commit
+        return _SQLiteStore(
             self.path,
             busy_timeout=self._busy_timeout,
             synchronous="NORMAL",
@@ -1895,12 +2084,11 @@ class _SQLite:
             clock=self._clock,
         )
 
-    def fallback(self) -> _Store:
-        """The event loop's fallback renewal: never waits for the lock (it must not block the loop)."""
-        return _Store(self.path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False, clock=self._clock)
+    def fallback(self) -> _Store:  # never waits for the lock
+        return _SQLiteStore(self.path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False, clock=self._clock)
 
     def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
-        return _Changes(self.path, self._clock, loop, on_change, poll)
+        return _SQLiteChanges(self.path, self._clock, loop, on_change, poll)
 
 
 ###############################################################################
@@ -2032,7 +2220,7 @@ class _Heartbeats(threading.Thread):
 
     def __init__(
         self,
-        backend: _SQLite,
+        backend: _Backend,
         clock: Clock,
         name: str,
         loop: asyncio.AbstractEventLoop,
@@ -2167,7 +2355,7 @@ class _Heartbeats(threading.Thread):
                         self._closed.set()
                 wait = self._renew_due(self._store)
                 try:  # after the round, not in its commit: the renewal does not wait for it
-                    self._store.checkpoint()
+                    self._store.maintain()
                 except Exception as exc:  # noqa: BLE001 - the next commit of the scheduler's own connection does it
                     _log.debug("checkpoint of the WAL failed: %s", exc)
                 with self._cond:
@@ -2618,7 +2806,7 @@ class Scheduler:
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
         self._read_only = read_only
-        self._backend = _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
+        self._backend: _Backend = _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
         self._jobs: dict[str, _Job] = {}
         self._store_thread: _StoreThread | None = None
         self._registered = False
@@ -3248,13 +3436,13 @@ class Scheduler:
         if outcome.status is None:
             return
         claim, options = attempt.claim, attempt.job.options
-        then, not_before = "done", 0
+        then, not_before = _Then.DONE, 0
         now_ms = _ms(self._clock.time())
         if outcome.status == "interrupted":
-            then, not_before = "handover", now_ms
+            then, not_before = _Then.HANDOVER, now_ms
         elif outcome.retryable and claim.failures < options.retries:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
-            then, not_before = "retry", now_ms + _ms(backoff)
+            then, not_before = _Then.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         for tries in range(60):
             try:

@@ -128,7 +128,11 @@ def arm_store(directory: str) -> None:
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    write, renew_all, checkpoint_write = al._Store._write, al._Store.renew_all, al._Store.checkpoint_write
+    write, renew_all, checkpoint_write = (
+        al._SQLiteStore._write,
+        al._SQLiteStore.renew_all,
+        al._SQLiteStore.checkpoint_write,
+    )
 
     def armed_write(self, work):
         def inside(conn):
@@ -152,9 +156,9 @@ def arm_store(directory: str) -> None:
         finally:
             local.checkpoint = False
 
-    al._Store._write = armed_write
-    al._Store.renew_all = armed_renew_all
-    al._Store.checkpoint_write = armed_checkpoint_write
+    al._SQLiteStore._write = armed_write
+    al._SQLiteStore.renew_all = armed_renew_all
+    al._SQLiteStore.checkpoint_write = armed_checkpoint_write
 
 
 def worker(directory: str) -> None:

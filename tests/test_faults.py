@@ -123,7 +123,7 @@ class PageCap:
     def __init__(self, monkeypatch):
         self.cap = None
         self.conns = []
-        prepare = al._Store._prepare
+        prepare = al._SQLiteStore._prepare
 
         def capped(store, conn):
             prepare(store, conn)
@@ -131,7 +131,7 @@ class PageCap:
             if self.cap is not None:
                 conn.execute(f"PRAGMA max_page_count = {self.cap}")
 
-        monkeypatch.setattr(al._Store, "_prepare", capped)
+        monkeypatch.setattr(al._SQLiteStore, "_prepare", capped)
 
     def _apply(self, cap):
         self.cap = cap
@@ -282,7 +282,7 @@ def test_deleted_file_is_recreated_and_the_scheduler_carries_on(db, caplog):
 
 def run_history(s, job):
     """History read synchronously through a store of its own (the caller's loop is busy)."""
-    store = al._Store(s.path)
+    store = al._SQLiteStore(s.path)
     try:
         return store.history(job, 100)
     finally:

@@ -133,7 +133,7 @@ class StoreMachine(RuleBasedStateMachine):
         path = os.path.join(self.directory, "jobs.db")
         self.mono = 1000.0  # the lease clock, shared by the three stores
         clock = _ModelClock(self)
-        self.stores = [al._Store(path, busy_timeout=5, clock=clock) for _ in range(3)]
+        self.stores = [al._SQLiteStore(path, busy_timeout=5, clock=clock) for _ in range(3)]
         self.owners = [f"p{i}" for i in range(3)]
         self.holder = None  # (process, attempt) holding the run
         self.lease_until = 0.0
@@ -162,10 +162,10 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(target=claims, process=st.integers(0, 2))
     def claim_the_occurrence(self, process):
         got = self.stores[process].claim_due(
-            "job", 0, SLOT, SLOT + 1000, [], True, True, self.owners[process], LEASE, 1
+            self.owners[process], 1, al._Due("job", 0, SLOT, SLOT + 1000, [], True, True, LEASE)
         )
         if self.state != "none":
-            assert got is None  # the watermark moved: someone claimed it first
+            assert got is al._Claimless.MOVED  # the watermark moved: someone claimed it first
             return multiple()
         return self._grant(process, got)
 
@@ -206,7 +206,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(entry=claims, then=st.sampled_from(["done", "handover"]))
     def finish(self, entry, then):
         process, claim = entry
-        ok = self.stores[process].finish(claim, self.owners[process], "succeeded", None, 2, then, 0)
+        ok = self.stores[process].finish(self.owners[process], al._End(claim, "succeeded", None, 2, al._Then(then), 0))
         assert ok == (self.holder == (process, claim.attempt))
         if ok:
             self.holder, self.state = None, ("done" if then == "done" else "pending")

@@ -657,7 +657,7 @@ def test_transient_store_failures_do_not_stop_the_scheduler(db, monkeypatch, cap
     import anarchon_lite as al
 
     failures = {"finish_many": 2, "renew_all": 2, "claim_due_many": 1}
-    originals = {name: getattr(al._Store, name) for name in failures}
+    originals = {name: getattr(al._SQLiteStore, name) for name in failures}
 
     def flaky(name):
         def method(self, *args, **kwargs):
@@ -669,7 +669,7 @@ def test_transient_store_failures_do_not_stop_the_scheduler(db, monkeypatch, cap
         return method
 
     for name in failures:
-        monkeypatch.setattr(al._Store, name, flaky(name))
+        monkeypatch.setattr(al._SQLiteStore, name, flaky(name))
 
     async def main():
         s = make(db)
@@ -756,14 +756,14 @@ def test_a_stop_while_starting_is_kept(db, monkeypatch):
     """SIGTERM can arrive while the scheduler is still joining the file: it must still stop."""
     import anarchon_lite as al
 
-    joining, join = threading.Event(), al._Store.join
+    joining, join = threading.Event(), al._SQLiteStore.join
 
     def slow_join(self, *args):
         joining.set()
         time.sleep(0.3)  # the join's transaction, still in progress when the stop comes
         return join(self, *args)
 
-    monkeypatch.setattr(al._Store, "join", slow_join)
+    monkeypatch.setattr(al._SQLiteStore, "join", slow_join)
 
     async def main():
         s = make(db)

@@ -18,7 +18,7 @@ OTHER = "b"
 
 
 def store(db, **kw):
-    s = al._Store(db, **kw)
+    s = al._SQLiteStore(db, **kw)
     s.register([al._Declared("job", "every 1h", 0, 3_600_000, "every 1h", "test")])
     return s
 
@@ -75,14 +75,14 @@ def test_read_only_file_names_the_file(tmp_path):
     store(path).close()
     if os.geteuid() == 0:
         # root ignores permission bits; an immutable view of the file is a read-only connection
-        conn = al._Store(path)
+        conn = al._SQLiteStore(path)
         conn._conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
         with pytest.raises(StoreError, match="read-only") as info:
             conn.trigger("job", 1)
     else:
         os.chmod(path, 0o400)
         with pytest.raises(StoreError) as info:
-            al._Store(path).trigger("job", 1)
+            al._SQLiteStore(path).trigger("job", 1)
     assert info.value.path == path
 
 
@@ -103,7 +103,7 @@ def test_full_disk_damages_nothing(db):
 
 
 def claim_due(s, owner, expected=0, slot=1000):
-    return s.claim_due("job", expected, slot, slot + 1000, [], True, True, owner, 30, slot)
+    return s.claim_due(owner, slot, al._Due("job", expected, slot, slot + 1000, [], True, True, 30))
 
 
 def test_exactly_one_claim_wins_across_connections(db):
@@ -112,7 +112,7 @@ def test_exactly_one_claim_wins_across_connections(db):
     barrier = threading.Barrier(8)
 
     def contender(i):
-        s = al._Store(db)
+        s = al._SQLiteStore(db)
         barrier.wait()
         results.append(claim_due(s, f"p{i}"))
         s.close()
@@ -123,7 +123,7 @@ def test_exactly_one_claim_wins_across_connections(db):
     for t in threads:
         t.join()
     assert sum(isinstance(r, al._Claim) for r in results) == 1
-    assert results.count(None) == 7
+    assert results.count(al._Claimless.MOVED) == 7
 
 
 def test_fencing_refuses_a_superseded_attempt(db):
@@ -138,9 +138,9 @@ def test_fencing_refuses_a_superseded_attempt(db):
     assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
     assert s.checkpoint_get("job", 1000, (1, "a"))[0] is False  # reads are fenced too
     assert s.checkpoint_get("job", 1000, (2, "b"))[0] is True
-    assert s.finish(first, "a", "succeeded", None, 3000) is False
+    assert s.finish("a", al._End(first, "succeeded", None, 3000)) is False
     assert s.checkpoint_write("job", 1000, '"fresh"', 0, (2, "b")) is True
-    assert s.finish(second, "b", "succeeded", None, 3000) is True
+    assert s.finish("b", al._End(second, "succeeded", None, 3000)) is True
     assert s.checkpoint_get("job", 1000) == (True, '"fresh"')
     assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
     # the row a saw is gone: its compare-and-set claim does nothing
@@ -162,7 +162,7 @@ def test_writes_wait_for_the_lock_instead_of_failing(db):
     holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN IMMEDIATE")
     threading.Timer(0.5, holder.execute, ["COMMIT"]).start()
-    s = al._Store(db, busy_timeout=10)
+    s = al._SQLiteStore(db, busy_timeout=10)
     started = time.monotonic()
     assert isinstance(claim_due(s, OWNER), al._Claim)
     assert time.monotonic() - started >= 0.4
@@ -174,7 +174,7 @@ def test_lock_held_past_the_busy_timeout_is_a_store_error(db):
     holder.execute("BEGIN IMMEDIATE")
     try:
         with pytest.raises(StoreError, match="locked") as info:
-            claim_due(al._Store(db, busy_timeout=0.2), OWNER)
+            claim_due(al._SQLiteStore(db, busy_timeout=0.2), OWNER)
         assert info.value.path == db
     finally:
         holder.execute("ROLLBACK")
@@ -182,14 +182,15 @@ def test_lock_held_past_the_busy_timeout_is_a_store_error(db):
 
 def test_missed_records_and_watermark_are_one_transaction(db):
     s = store(db)
-    assert s.claim_due("job", 0, 3000, 4000, [(1000, None), (2000, "and 5 more")], False, True, OWNER, 0, 5000) is False
+    missed = [(1000, None), (2000, "and 5 more")]
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, missed, False, True, 0)) is al._Claimless.RECORDED
     assert s.job("job").last_slot == 3000
     assert [(r.slot, r.status, r.error) for r in reversed(s.history("job", 10))] == [
         (1000, "missed", None),
         (2000, "missed", "and 5 more"),
     ]
     # a stale watermark writes nothing
-    assert s.claim_due("job", 0, 3000, 4000, [(1000, None)], True, True, OWNER, 0, 5000) is None
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, True, 0)) is al._Claimless.MOVED
 
 
 def test_opening_more_connections_keeps_this_process_locks(db):
@@ -199,7 +200,7 @@ def test_opening_more_connections_keeps_this_process_locks(db):
     import sys
 
     first = store(db)
-    second = al._Store(db)
+    second = al._SQLiteStore(db)
     second.data_version()
     subprocess.run(
         [
@@ -225,8 +226,6 @@ def test_many_processes_creating_one_file_at_once(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for round_ in range(5):
         path = str(tmp_path / f"new-{round_}.db")
-        code = (
-            f"import sys; sys.path.insert(0, {root!r}); import anarchon_lite as al; al._Store({path!r}).data_version()"
-        )
+        code = f"import sys; sys.path.insert(0, {root!r}); import anarchon_lite as al; al._SQLiteStore({path!r}).data_version()"
         procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(6)]
         assert [p.wait(timeout=60) for p in procs] == [0] * 6
