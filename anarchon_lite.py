@@ -777,7 +777,8 @@ def _rule_text(rule: _rrule.rrule) -> str:
 ###############################################################################
 #
 # The records the scheduler and a store exchange, and the interface every store implements. The
-# scheduler is given a ``_Backend``; it never opens a file, reads /proc or names a lease clock.
+# scheduler makes its ``_Backend`` from its path once, in ``__init__``; past that it never opens a
+# file, reads /proc or names a lease clock.
 
 
 @dataclasses.dataclass(frozen=True)
