@@ -2346,6 +2346,14 @@ class _Heartbeats(threading.Thread):
             self._lowered = near
         return wait if wait is None or near else wait - self._EARLY
 
+    def _maintain(self) -> None:
+        """The store's upkeep (a checkpoint of the WAL), outside any renewal's commit. Only well
+        before a round: behind a computing thread, each system call here waits for the GIL."""
+        try:
+            self._store.maintain()
+        except Exception as exc:  # noqa: BLE001 - the scheduler's own connection checkpoints too
+            _log.debug("upkeep of the store failed: %s", exc)
+
     def run(self) -> None:
         try:
             while True:
@@ -2355,10 +2363,8 @@ class _Heartbeats(threading.Thread):
                         self._reopen = False
                         self._closed.set()
                 wait = self._renew_due(self._store)
-                try:  # after the round, not in its commit: the renewal does not wait for it
-                    self._store.maintain()
-                except Exception as exc:  # noqa: BLE001 - the next commit of the scheduler's own connection does it
-                    _log.debug("checkpoint of the WAL failed: %s", exc)
+                if wait is not None and wait > 2 * self._EARLY:  # just after a round, well before the next
+                    self._maintain()
                 with self._cond:
                     if self._stopped:
                         return
