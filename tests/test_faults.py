@@ -375,7 +375,7 @@ def test_a_file_of_the_previous_schema_is_migrated_in_place(db, caplog):
 
 
 @contextlib.contextmanager
-def small_filesystem(tmp_path, size="2m"):
+def small_filesystem(tmp_path, size="4m"):
     """A filesystem of ``size`` of its own (tmpfs), so that the disk really fills up."""
     if os.geteuid() != 0:
         pytest.skip("a small filesystem of its own needs root (mount -t tmpfs); CI runs as root")
