@@ -1648,11 +1648,6 @@ class _SQLiteStore(_Store):
     # -- jobs -------------------------------------------------------------------------------------
 
     def register(self, jobs: Sequence[_Declared]) -> list[_JobRow]:
-        """Add the jobs not yet in the file; update the others' schedule text and definition (and
-        next occurrence, if the schedule changed). A new job's watermark is now: nothing before it
-        counts as missed. Returns the rows, as they were, of jobs that another process had declared
-        differently (its definition is replaced by this one's)."""
-
         def work(conn: sqlite3.Connection) -> list[_JobRow]:
             before = {row.name: row for row in map(_job_row, conn.execute(_SQL_JOBS))}
             conn.executemany(_SQL_REGISTER, [dataclasses.asdict(job) for job in jobs])
@@ -1676,15 +1671,12 @@ class _SQLiteStore(_Store):
         return None if value is None else int(value)
 
     def set_paused(self, name: str, paused: bool, now_ms: int) -> bool:
-        """Pause or resume; resuming moves the watermark to now, so a pause is not downtime."""
-
         def work(conn: sqlite3.Connection) -> bool:
             return conn.execute(_SQL_SET_PAUSED, (int(paused), 0 if paused else now_ms, name)).rowcount == 1
 
         return self._write(work)
 
     def runs(self) -> list[_RunRow]:
-        """The unfinished runs, each with the seconds its lease had left when read (``lease_left``)."""
         rows = self._read(_SQL_RUNS)
         now = self._clock.monotonic()
         return [
@@ -1738,13 +1730,6 @@ class _SQLiteStore(_Store):
         skip_if_busy: bool,
         reason: str = "",
     ) -> _Claim | None:
-        """Claim a pending run, or take over a running one whose owner is gone (``reason`` says why).
-
-        Compare-and-set on the whole row as the caller saw it: if the owner renewed its lease, or
-        someone else claimed first, nothing is written and ``None`` returned. A takeover records the
-        previous attempt as ``interrupted``. Past ``max_attempts`` the run is ``failed`` for good.
-        """
-
         def work(conn: sqlite3.Connection) -> _Claim | None:
             rows = conn.execute(_SQL_RUN, (expected.job, expected.slot)).fetchall()
             if not rows or _run_row(rows[0]) != expected:
@@ -1778,8 +1763,6 @@ class _SQLiteStore(_Store):
     # -- an attempt's writes (fenced) -------------------------------------------------------------
 
     def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
-        """Extend the leases of ``claims`` (to now on the lease clock plus each run's lease) in one
-        statement; return those that no longer hold their run."""
         rows = ", ".join(["(?, ?, ?)"] * len(claims))
         args = [self._clock.monotonic(), owner, *(v for c in claims for v in (c.job, c.slot, c.attempt))]
         if self._autocommit(_SQL_RENEW_ALL.format(rows=rows), args) == len(claims):
@@ -1790,12 +1773,9 @@ class _SQLiteStore(_Store):
         self._autocommit(_SQL_PROGRESS, (*progress, claim.job, claim.slot, claim.attempt, owner))
 
     def set_process_group(self, claim: _Claim, owner: str, group: str) -> bool:
-        """Record, fenced, the process group that ``claim``'s attempt started (JSON), so that a later
-        attempt of the run can make sure it is gone first. Returns whether it was written."""
         return self._autocommit(_SQL_SET_PROCESS_GROUP, (group, claim.job, claim.slot, claim.attempt, owner)) == 1
 
     def process_group(self, job: str, slot: int) -> str | None:
-        """The process group last recorded by an attempt of (job, slot), or None."""
         rows = self._read(_SQL_PROCESS_GROUP, (job, slot))
         return rows[0][0] if rows else None
 
@@ -1838,8 +1818,6 @@ class _SQLiteStore(_Store):
     # -- requests from any process ----------------------------------------------------------------
 
     def trigger(self, job: str, now_ms: int) -> int:
-        """Record a run of ``job`` due now; return its slot (the next free millisecond)."""
-
         def work(conn: sqlite3.Connection) -> int:
             if conn.execute(_SQL_JOB, (job,)).fetchone() is None:
                 raise ConfigError("no such job in the database", job=job)
@@ -1852,8 +1830,6 @@ class _SQLiteStore(_Store):
         return self._write(work)
 
     def cancel(self, job: str, now_ms: int) -> int:
-        """Ask every unfinished run of ``job`` to stop; pending ones end as ``cancelled`` at once."""
-
         def work(conn: sqlite3.Connection) -> int:
             pending = conn.execute(_SQL_CANCEL_PENDING, (job,)).fetchall()
             for slot, attempt in pending:
@@ -1866,9 +1842,6 @@ class _SQLiteStore(_Store):
     # -- running processes ------------------------------------------------------------------------
 
     def join(self, instance: str, now_ms: int) -> bool:
-        """Record this process (as ``instance``) as running; forget those that are gone. Returns
-        whether no other process was running: the start of a group of schedulers (what ``@reboot``
-        runs on)."""
         me = dataclasses.replace(self._me, instance=instance)
 
         def work(conn: sqlite3.Connection) -> bool:
@@ -1895,8 +1868,6 @@ class _SQLiteStore(_Store):
     # -- checkpoints and history ------------------------------------------------------------------
 
     def checkpoint_get(self, job: str, slot: int, fence: tuple[int, str] | None = None) -> tuple[bool, str | None]:
-        """(whether the attempt ``fence`` (attempt, owner) still holds the run, the saved value),
-        read together; with ``fence`` None the first is always True."""
         fenced = (None, None) if fence is None else fence
         args = (fenced[0], job, slot, fenced[0], fenced[1], job, slot)
         held, value = self._read(_SQL_CHECKPOINT_GET, args)[0]
@@ -1905,9 +1876,6 @@ class _SQLiteStore(_Store):
     def checkpoint_write(
         self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
     ) -> bool:
-        """Set (or, with ``value`` None, delete) a checkpoint; with ``fence`` (attempt, owner), only
-        while that attempt holds the run. Returns whether it was written."""
-
         def work(conn: sqlite3.Connection) -> bool:
             if fence is not None and not conn.execute(_SQL_IS_HELD, (job, slot, fence[0], fence[1])).fetchall():
                 return False
