@@ -1507,10 +1507,7 @@ class _SQLiteStore(_Store):
             raise StoreError(self.path, f"cannot read the database: {self._explain(exc)}") from None
         if version > SCHEMA_VERSION:
             conn.close()
-            raise StoreError(
-                self.path,
-                f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})",
-            )
+            self._refuse_newer(version)
         if version == 0:
             conn.close()
             raise StoreError(self.path, "not an anarchon_lite database (it has no schema)")
@@ -1543,14 +1540,16 @@ class _SQLiteStore(_Store):
             return None
         return None if (status.st_dev, status.st_ino) == self._identity else "replaced"
 
+    def _refuse_newer(self, version: int) -> None:
+        raise StoreError(
+            self.path, f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})"
+        )
+
     def _prepare(self, conn: sqlite3.Connection) -> None:
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
-                raise StoreError(
-                    self.path,
-                    f"written by a newer anarchon_lite (schema version {version}; this one knows {SCHEMA_VERSION})",
-                )
+                self._refuse_newer(version)
             self._switch_to_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES if self._autocheckpoint else 0}")
@@ -1679,10 +1678,7 @@ class _SQLiteStore(_Store):
     def runs(self) -> list[_RunRow]:
         rows = self._read(_SQL_RUNS)
         now = self._clock.monotonic()
-        return [
-            dataclasses.replace(row, lease_left=None if row.lease_until is None else row.lease_until - now)
-            for row in map(_run_row, rows)
-        ]
+        return [_run_row(row, now) for row in rows]
 
     # -- claims -----------------------------------------------------------------------------------
 
@@ -1915,9 +1911,12 @@ def _job_row(row: Sequence[Any]) -> _JobRow:
     return _JobRow(row[0], row[1], bool(row[2]), row[3], row[4], row[5], row[6])
 
 
-def _run_row(row: Sequence[Any]) -> _RunRow:
+def _run_row(row: Sequence[Any], now: float | None = None) -> _RunRow:
+    """A run as read; with ``now`` (the lease clock at the read), its ``lease_left`` too."""
     values = list(row)
     values[12] = bool(values[12])
+    until = values[11]
+    values.append(None if now is None or until is None else until - now)  # lease_left
     return _RunRow(*values)
 
 

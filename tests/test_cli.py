@@ -273,9 +273,6 @@ def test_status_and_history_work_in_a_read_only_directory(tmp_path):
     with read_only_directory(tmp_path) as (directory, make_writable):
         make_writable()
         db = str(directory / "jobs.db")
-        crontab = tmp_path / "crontab"
-        crontab.write_text("# name: once\n@every 24h true\n")
-        cli(db, "trigger", "once", check=False)  # the file does not exist yet: refused
         subprocess.run(
             [
                 sys.executable,
