@@ -836,6 +836,9 @@ class _RunRow:
     # Seconds the lease had left when the row was read, on the store's lease clock (not a column;
     # not part of a compare-and-set): the scheduler ages it by its own elapsed time since the read.
     lease_left: float | None = dataclasses.field(default=None, compare=False)
+    # Why the owner is gone, as the store judged it at the read (a store whose ``_Changes`` cannot
+    # judge it on the loop: PostgreSQL), or None.
+    gone: str | None = dataclasses.field(default=None, compare=False)
 
     def holder(self) -> _Owner:
         return _Owner(self.owner or "", self.owner_pid or 0, self.owner_start, self.owner_ns, self.boot_id)
@@ -1135,10 +1138,339 @@ class _Backend(abc.ABC):
 
 
 ###############################################################################
+# The SQL stores ##############################################################
+###############################################################################
+#
+# The statements, and the logic around them, that SQLite and PostgreSQL share: one text each, with
+# ``?`` and ``:name`` placeholders (the PostgreSQL connection translates them). ``lease_clock()`` is a
+# function each store defines: the clock its leases are stamped and compared on, in seconds.
+
+SCHEMA_VERSION = 3
+_SQL_REGISTER = (
+    "INSERT INTO jobs (name, schedule, last_slot, next_slot, definition, declared_by) "
+    "VALUES (:name, :schedule, :last_slot, :next_slot, :definition, :declared_by) ON CONFLICT (name) DO UPDATE SET "
+    "next_slot = CASE WHEN jobs.schedule != excluded.schedule OR jobs.next_slot IS NULL THEN excluded.next_slot "
+    "ELSE jobs.next_slot END, "
+    "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
+)
+_SQL_JOB_COLUMNS = "name, schedule, paused, last_slot, next_slot, definition, declared_by"
+_SQL_JOB = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE name = ?"
+_SQL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs ORDER BY name"
+_SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
+_SQL_ADVANCE = "UPDATE jobs SET last_slot = ?, next_slot = ? WHERE name = ? AND last_slot = ?"
+_SQL_SET_PAUSED = "UPDATE jobs SET paused = ?, last_slot = CASE WHEN last_slot > ? THEN last_slot ELSE ? END WHERE name = ?"
+_SQL_RUN_COLUMNS = (
+    "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
+    "lease_until, cancel, progress_done, progress_total, started_at"
+)
+_SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
+_SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock() FROM runs ORDER BY job, slot"
+_SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
+_SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
+_SQL_TAKE_RUN = (
+    "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
+    "owner_ns = ?, boot_id = ?, lease_until = lease_clock() + ?, lease = ?, started_at = ?, progress_done = NULL, "
+    "progress_total = NULL "
+    "WHERE job = ? AND slot = ?"
+)
+_SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
+_SQL_FENCE = "job = ? AND slot = ? AND attempt = ? AND owner = ? AND state = 'running'"
+_SQL_RENEW_ALL = (  # {rows}: one "(?, ?, ?)" per attempt
+    "UPDATE runs SET lease_until = lease_clock() + lease WHERE owner = ? AND state = 'running' "
+    "AND (job, slot, attempt) IN (VALUES {rows})"
+)
+_SQL_PROGRESS = f"UPDATE runs SET progress_done = ?, progress_total = ? WHERE {_SQL_FENCE}"
+_SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = ? WHERE {_SQL_FENCE}"
+_SQL_PROCESS_GROUP = "SELECT process_group FROM runs WHERE job = ? AND slot = ?"
+_SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
+_SQL_RELEASE = (
+    "UPDATE runs SET state = 'pending', not_before = ?, failures = failures + ?, owner = NULL, "
+    "lease_until = NULL WHERE job = ? AND slot = ?"
+)
+_SQL_DELETE_RUN = "DELETE FROM runs WHERE job = ? AND slot = ?"
+_SQL_CANCEL = "UPDATE runs SET cancel = 1 WHERE job = ?"
+_SQL_CANCEL_PENDING = "SELECT slot, attempt FROM runs WHERE job = ? AND state = 'pending'"
+_SQL_RECORD = (
+    "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
+    "finished_at = excluded.finished_at, error = excluded.error"
+)
+_SQL_END_ATTEMPT = (
+    "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ? WHERE job = ? AND slot = ? AND attempt = ?"
+)
+_SQL_SLOT_USED = (
+    "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
+)
+_SQL_HISTORY = (
+    "SELECT job, slot, attempt, status, instance, started_at, finished_at, error, output FROM history "
+    "WHERE (CAST(? AS TEXT) IS NULL OR job = ?) ORDER BY id DESC LIMIT ?"
+)
+_SQL_PRUNE_HISTORY = (  # never the records of an unfinished run: it still writes its end there
+    "DELETE FROM history WHERE job = ? AND id <= "
+    "(SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?) "
+    "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
+)
+_SQL_PRUNE_CHECKPOINTS = (
+    "DELETE FROM checkpoints WHERE job = ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = checkpoints.job "
+    "AND r.slot = checkpoints.slot) AND NOT EXISTS (SELECT 1 FROM history h WHERE h.job = checkpoints.job "
+    "AND h.slot = checkpoints.slot)"
+)
+_SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot; held is 1 when no attempt is given
+    f"SELECT CAST(? AS BIGINT) IS NULL OR EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE}), "
+    "(SELECT value FROM checkpoints WHERE job = ? AND slot = ?)"
+)
+_SQL_CHECKPOINT_SET = (
+    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at, "
+    "attempt = excluded.attempt"
+)
+_SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
+
+
+def _job_row(row: Sequence[Any]) -> _JobRow:
+    return _JobRow(row[0], row[1], bool(row[2]), row[3], row[4], row[5], row[6])
+
+
+def _run_row(row: Sequence[Any]) -> _RunRow:
+    """A run as read (``_SQL_RUN_COLUMNS``, then the lease left and why the owner is gone, if read)."""
+    values = list(row)
+    values[12] = bool(values[12])
+    return _RunRow(*values)
+
+
+class _SQLStore(_Store):
+    """The store's logic, in SQL that SQLite and PostgreSQL both run (the statements above).
+
+    A subclass supplies the connection: ``_write(work)`` runs ``work(conn)`` as one transaction that
+    may take locks it then holds to the end, ``_read`` one statement, ``_autocommit`` one write
+    statement in a transaction of its own; ``conn.execute``/``executemany`` take ``?`` and ``:name``
+    placeholders. The SQL function ``lease_clock()`` is the store's lease clock, in seconds.
+    """
+
+    _SQL_RUNS = _SQL_RUNS
+    _SQL_FINISH_ATTEMPT = ""  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id)
+    _me: _Owner  # this process, as the owner of the runs it takes
+
+    @abc.abstractmethod
+    def _write(self, work: Callable[[Any], T]) -> T:
+        """Run ``work(conn)`` in one transaction; roll back on any error."""
+
+    @abc.abstractmethod
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        """The rows of one statement."""
+
+    @abc.abstractmethod
+    def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
+        """One write statement, its own transaction; returns the number of rows it changed."""
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def register(self, jobs: Sequence[_Declared]) -> list[_JobRow]:
+        def work(conn: Any) -> list[_JobRow]:
+            before = {row.name: row for row in map(_job_row, conn.execute(_SQL_JOBS))}
+            conn.executemany(_SQL_REGISTER, [dataclasses.asdict(job) for job in jobs])
+            return [
+                row
+                for job in jobs
+                if (row := before.get(job.name)) is not None and row.definition not in (None, job.definition)
+            ]
+
+        return self._write(work)
+
+    def jobs(self) -> list[_JobRow]:
+        return [_job_row(r) for r in self._read(_SQL_JOBS)]
+
+    def job(self, name: str) -> _JobRow | None:
+        rows = self._read(_SQL_JOB, (name,))
+        return _job_row(rows[0]) if rows else None
+
+    def newest_slot(self) -> int | None:
+        value = self._read(_SQL_NEWEST_SLOT)[0][0]
+        return None if value is None else int(value)
+
+    def set_paused(self, name: str, paused: bool, now_ms: int) -> bool:
+        def work(conn: Any) -> bool:
+            since = 0 if paused else now_ms
+            return bool(conn.execute(_SQL_SET_PAUSED, (int(paused), since, since, name)).rowcount == 1)
+
+        return self._write(work)
+
+    def runs(self) -> list[_RunRow]:
+        return [_run_row(row) for row in self._read(self._SQL_RUNS)]
+
+    # -- claims -----------------------------------------------------------------------------------
+
+    def claim_due_many(self, owner: str, now_ms: int, due: Sequence[_Due]) -> list[_Claimed]:
+        def work(conn: Any) -> list[_Claimed]:
+            return [self._claim_due(conn, owner, now_ms, item) for item in due]
+
+        return self._write(work)
+
+    def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
+        job, slot = due.job, due.slot
+        if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
+            return _Claimless.MOVED
+        records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
+        conn.executemany(_SQL_RECORD, records)
+        if due.missed:
+            self._prune(conn, job)
+        if not due.run:
+            return _Claimless.RECORDED
+        if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
+            self._skip(conn, job, slot, owner, now_ms)
+            return _Claimless.RECORDED
+        conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
+        return self._take(conn, job, slot, owner, due.lease, now_ms)
+
+    def _take(self, conn: Any, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
+        """Make ``owner`` (an instance of this process) the holder of a run for ``lease`` seconds,
+        stamped on the lease clock, with what tells whether this process still exists."""
+        me = self._me
+        conn.execute(
+            _SQL_TAKE_RUN, (owner, me.pid, me.start, me.namespace, me.boot_id, lease, lease, now_ms, job, slot)
+        )
+        attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
+        conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner, now_ms, None, None))
+        return _Claim(job, slot, attempt, failures)
+
+    def claim(
+        self,
+        expected: _RunRow,
+        owner: str,
+        lease: float,
+        now_ms: int,
+        max_attempts: int,
+        skip_if_busy: bool,
+        reason: str = "",
+    ) -> _Claim | None:
+        def work(conn: Any) -> _Claim | None:
+            rows = conn.execute(_SQL_RUN, (expected.job, expected.slot)).fetchall()
+            if not rows or _run_row(rows[0]) != expected:
+                return None
+            job, slot, attempt = expected.job, expected.slot, expected.attempt
+            if expected.state == "running":
+                conn.execute(_SQL_END_ATTEMPT, ("interrupted", now_ms, reason, None, job, slot, attempt))
+            if expected.cancel:
+                self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
+                return None
+            if attempt >= max_attempts:
+                self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
+                return None
+            if attempt == 0 and skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
+                conn.execute(_SQL_DELETE_RUN, (job, slot))
+                self._skip(conn, job, slot, owner, now_ms)
+                return None
+            return self._take(conn, job, slot, owner, lease, now_ms)
+
+        return self._write(work)
+
+    def _skip(self, conn: Any, job: str, slot: int, owner: str, now_ms: int) -> None:
+        conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner, None, now_ms, "an earlier run is unfinished"))
+        self._prune(conn, job)
+
+    def _end(self, conn: Any, row: _RunRow, status: str, error: str, now_ms: int) -> None:
+        conn.execute(_SQL_DELETE_RUN, (row.job, row.slot))
+        conn.execute(_SQL_RECORD, (row.job, row.slot, row.attempt, status, None, None, now_ms, error))
+        self._prune(conn, row.job)
+
+    # -- an attempt's writes (fenced) -------------------------------------------------------------
+
+    def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
+        rows = ", ".join(["(?, ?, ?)"] * len(claims))
+        args = [owner, *(v for c in claims for v in (c.job, c.slot, c.attempt))]
+        if self._autocommit(_SQL_RENEW_ALL.format(rows=rows), args) == len(claims):
+            return []
+        return [c for c in claims if not self._read(_SQL_IS_HELD, (c.job, c.slot, c.attempt, owner))]
+
+    def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
+        self._autocommit(_SQL_PROGRESS, (*progress, claim.job, claim.slot, claim.attempt, owner))
+
+    def set_process_group(self, claim: _Claim, owner: str, group: str) -> bool:
+        return self._autocommit(_SQL_SET_PROCESS_GROUP, (group, claim.job, claim.slot, claim.attempt, owner)) == 1
+
+    def process_group(self, job: str, slot: int) -> str | None:
+        rows = self._read(_SQL_PROCESS_GROUP, (job, slot))
+        return rows[0][0] if rows else None
+
+    def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
+        def work(conn: Any) -> list[bool]:
+            return [self._finish(conn, owner, end) for end in ends]
+
+        return self._write(work)
+
+    def _finish(self, conn: Any, owner: str, end: _End) -> bool:
+        job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
+        if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
+            return False
+        conn.execute(self._SQL_FINISH_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
+        if end.then is _Then.DONE:
+            conn.execute(_SQL_DELETE_RUN, (job, slot))
+            self._prune(conn, job)
+        else:
+            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then is _Then.RETRY), job, slot))
+        return True
+
+    def _prune(self, conn: Any, job: str) -> None:
+        conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
+        conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
+
+    # -- requests from any process ----------------------------------------------------------------
+
+    def trigger(self, job: str, now_ms: int) -> int:
+        def work(conn: Any) -> int:
+            if conn.execute(_SQL_JOB, (job,)).fetchone() is None:
+                raise ConfigError("no such job in the database", job=job)
+            slot = now_ms
+            while conn.execute(_SQL_SLOT_USED, (job, slot, job, slot)).fetchone():
+                slot += 1
+            conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
+            return slot
+
+        return self._write(work)
+
+    def cancel(self, job: str, now_ms: int) -> int:
+        def work(conn: Any) -> int:
+            pending = conn.execute(_SQL_CANCEL_PENDING, (job,)).fetchall()
+            for slot, attempt in pending:
+                conn.execute(_SQL_DELETE_RUN, (job, slot))
+                conn.execute(_SQL_RECORD, (job, slot, attempt, "cancelled", None, None, now_ms, "cancelled"))
+            return int(conn.execute(_SQL_CANCEL, (job,)).rowcount) + len(pending)
+
+        return self._write(work)
+
+    # -- checkpoints and history ------------------------------------------------------------------
+
+    def checkpoint_get(self, job: str, slot: int, fence: tuple[int, str] | None = None) -> tuple[bool, str | None]:
+        fenced = (None, None) if fence is None else fence
+        args = (fenced[0], job, slot, fenced[0], fenced[1], job, slot)
+        held, value = self._read(_SQL_CHECKPOINT_GET, args)[0]
+        return bool(held), value
+
+    def checkpoint_write(
+        self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
+    ) -> bool:
+        def work(conn: Any) -> bool:
+            if fence is not None and not conn.execute(_SQL_IS_HELD, (job, slot, fence[0], fence[1])).fetchall():
+                return False
+            if value is None:
+                conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
+            else:
+                conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms, None if fence is None else fence[0]))
+            return True
+
+        return self._write(work)
+
+    def history(self, job: str | None, limit: int) -> list[RunRecord]:
+        return [
+            RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
+            for r in self._read(_SQL_HISTORY, (job, job, limit))
+        ]
+
+
+###############################################################################
 # The SQLite store ############################################################
 ###############################################################################
 
-SCHEMA_VERSION = 3
 # The WAL is written back into the file once it holds this many pages (1 MiB at 4 KiB a page), and
 # cut back to this size after: it outgrows that only while a reader keeps an old snapshot. (At 64
 # pages, the load test's renewals waited 2-3 times longer at p50 behind the extra checkpoints.)
@@ -1224,94 +1556,16 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
 }
 
-_SQL_REGISTER = (
-    "INSERT INTO jobs (name, schedule, last_slot, next_slot, definition, declared_by) "
-    "VALUES (:name, :schedule, :last_slot, :next_slot, :definition, :declared_by) ON CONFLICT (name) DO UPDATE SET "
-    "next_slot = CASE WHEN schedule != excluded.schedule OR next_slot IS NULL THEN excluded.next_slot ELSE next_slot END, "
-    "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
-)
-_SQL_JOB_COLUMNS = "name, schedule, paused, last_slot, next_slot, definition, declared_by"
-_SQL_JOB = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE name = ?"
-_SQL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs ORDER BY name"
-_SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
-_SQL_ADVANCE = "UPDATE jobs SET last_slot = ?, next_slot = ? WHERE name = ? AND last_slot = ?"
-_SQL_SET_PAUSED = "UPDATE jobs SET paused = ?, last_slot = max(last_slot, ?) WHERE name = ?"
-_SQL_RUN_COLUMNS = (
-    "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
-    "lease_until, cancel, progress_done, progress_total, started_at"
-)
-_SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
-_SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS} FROM runs ORDER BY job, slot"
-_SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
-_SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
-_SQL_TAKE_RUN = (
-    "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
-    "owner_ns = ?, boot_id = ?, lease_until = ?, lease = ?, started_at = ?, progress_done = NULL, progress_total = NULL "
-    "WHERE job = ? AND slot = ?"
-)
-_SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
-_SQL_FENCE = "job = ? AND slot = ? AND attempt = ? AND owner = ? AND state = 'running'"
-_SQL_RENEW_ALL = (  # {rows}: one "(?, ?, ?)" per attempt
-    "UPDATE runs SET lease_until = ? + lease WHERE owner = ? AND state = 'running' "
-    "AND (job, slot, attempt) IN (VALUES {rows})"
-)
-_SQL_PROGRESS = f"UPDATE runs SET progress_done = ?, progress_total = ? WHERE {_SQL_FENCE}"
-_SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = ? WHERE {_SQL_FENCE}"
-_SQL_PROCESS_GROUP = "SELECT process_group FROM runs WHERE job = ? AND slot = ?"
-_SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
-_SQL_RELEASE = (
-    "UPDATE runs SET state = 'pending', not_before = ?, failures = failures + ?, owner = NULL, "
-    "lease_until = NULL WHERE job = ? AND slot = ?"
-)
-_SQL_DELETE_RUN = "DELETE FROM runs WHERE job = ? AND slot = ?"
-_SQL_CANCEL = "UPDATE runs SET cancel = 1 WHERE job = ?"
-_SQL_CANCEL_PENDING = "SELECT slot, attempt FROM runs WHERE job = ? AND state = 'pending'"
-_SQL_RECORD = (
-    "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
-    "finished_at = excluded.finished_at, error = excluded.error"
-)
-_SQL_END_ATTEMPT = (
-    "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ? WHERE job = ? AND slot = ? AND attempt = ?"
-)
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
     # keeps the newest records, and a long run must not lose its record to those written while it ran
     "INSERT OR REPLACE INTO history (job, slot, attempt, status, instance, started_at, finished_at, error, output) "
     "SELECT job, slot, attempt, ?, instance, started_at, ?, ?, ? FROM history WHERE job = ? AND slot = ? AND attempt = ?"
-)
-_SQL_SLOT_USED = (
-    "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
-)
-_SQL_HISTORY = (
-    "SELECT job, slot, attempt, status, instance, started_at, finished_at, error, output FROM history "
-    "WHERE (? IS NULL OR job = ?) ORDER BY id DESC LIMIT ?"
-)
-_SQL_PRUNE_HISTORY = (  # never the records of an unfinished run: it still writes its end there
-    "DELETE FROM history WHERE job = ? AND id <= "
-    "(SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?) "
-    "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
-)
-_SQL_PRUNE_CHECKPOINTS = (
-    "DELETE FROM checkpoints WHERE job = ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = checkpoints.job "
-    "AND r.slot = checkpoints.slot) AND NOT EXISTS (SELECT 1 FROM history h WHERE h.job = checkpoints.job "
-    "AND h.slot = checkpoints.slot)"
 )
 _SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id FROM instances"
 _SQL_JOIN = (
     "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at) VALUES (?, ?, ?, ?, ?, ?)"
 )
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
-_SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot; held is 1 when no attempt is given
-    f"SELECT ? IS NULL OR EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE}), "
-    "(SELECT value FROM checkpoints WHERE job = ? AND slot = ?)"
-)
-_SQL_CHECKPOINT_SET = (
-    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (?, ?, ?, ?, ?) "
-    "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at, "
-    "attempt = excluded.attempt"
-)
-_SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
-
 
 def _read_text(path: str) -> str | None:
     try:
@@ -1411,7 +1665,7 @@ def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
     return None
 
 
-class _SQLiteStore(_Store):
+class _SQLiteStore(_SQLStore):
     """The store in one SQLite file in WAL mode, shared by the processes of one host.
 
     Each method is one transaction on this object's own connection: read-then-write transactions
@@ -1419,6 +1673,8 @@ class _SQLiteStore(_Store):
     instead of failing on an upgrade. Leases are on the clock's ``monotonic()``; owners are judged
     by pid, start time, pid namespace and boot id (``_owner_gone``).
     """
+
+    _SQL_FINISH_ATTEMPT = _SQL_FINISH_ATTEMPT
 
     def __init__(
         self,
@@ -1476,6 +1732,7 @@ class _SQLiteStore(_Store):
         except sqlite3.Error as exc:
             raise StoreError(self.path, f"cannot open the database: {self._explain(exc)}") from None
         try:
+            conn.create_function("lease_clock", 0, self._clock.monotonic)
             self._prepare(conn)
             if self._lock_poll:
                 conn.execute("PRAGMA busy_timeout = 0")  # writes look for the lock themselves
@@ -1502,6 +1759,7 @@ class _SQLiteStore(_Store):
             conn = sqlite3.connect(
                 uri, uri=True, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
             )
+            conn.create_function("lease_clock", 0, self._clock.monotonic)
             version = conn.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.Error as exc:
             raise StoreError(self.path, f"cannot read the database: {self._explain(exc)}") from None
@@ -1644,137 +1902,6 @@ class _SQLiteStore(_Store):
         """A number that changes whenever another connection commits to the file."""
         return int(self._read("PRAGMA data_version")[0][0])
 
-    # -- jobs -------------------------------------------------------------------------------------
-
-    def register(self, jobs: Sequence[_Declared]) -> list[_JobRow]:
-        def work(conn: sqlite3.Connection) -> list[_JobRow]:
-            before = {row.name: row for row in map(_job_row, conn.execute(_SQL_JOBS))}
-            conn.executemany(_SQL_REGISTER, [dataclasses.asdict(job) for job in jobs])
-            return [
-                row
-                for job in jobs
-                if (row := before.get(job.name)) is not None and row.definition not in (None, job.definition)
-            ]
-
-        return self._write(work)
-
-    def jobs(self) -> list[_JobRow]:
-        return [_job_row(r) for r in self._read(_SQL_JOBS)]
-
-    def job(self, name: str) -> _JobRow | None:
-        rows = self._read(_SQL_JOB, (name,))
-        return _job_row(rows[0]) if rows else None
-
-    def newest_slot(self) -> int | None:
-        value = self._read(_SQL_NEWEST_SLOT)[0][0]
-        return None if value is None else int(value)
-
-    def set_paused(self, name: str, paused: bool, now_ms: int) -> bool:
-        def work(conn: sqlite3.Connection) -> bool:
-            return conn.execute(_SQL_SET_PAUSED, (int(paused), 0 if paused else now_ms, name)).rowcount == 1
-
-        return self._write(work)
-
-    def runs(self) -> list[_RunRow]:
-        rows = self._read(_SQL_RUNS)
-        now = self._clock.monotonic()
-        return [_run_row(row, now) for row in rows]
-
-    # -- claims -----------------------------------------------------------------------------------
-
-    def claim_due_many(self, owner: str, now_ms: int, due: Sequence[_Due]) -> list[_Claimed]:
-        def work(conn: sqlite3.Connection) -> list[_Claimed]:
-            return [self._claim_due(conn, owner, now_ms, item) for item in due]
-
-        return self._write(work)
-
-    def _claim_due(self, conn: sqlite3.Connection, owner: str, now_ms: int, due: _Due) -> _Claimed:
-        job, slot = due.job, due.slot
-        if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
-            return _Claimless.MOVED
-        records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
-        conn.executemany(_SQL_RECORD, records)
-        if due.missed:
-            self._prune(conn, job)
-        if not due.run:
-            return _Claimless.RECORDED
-        if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
-            self._skip(conn, job, slot, owner, now_ms)
-            return _Claimless.RECORDED
-        conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
-        return self._take(conn, job, slot, owner, due.lease, now_ms)
-
-    def _take(self, conn: sqlite3.Connection, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
-        """Make ``owner`` (an instance of this process) the holder of a run for ``lease`` seconds,
-        stamped on the lease clock, with what tells whether this process still exists."""
-        until = self._clock.monotonic() + lease
-        me = self._me
-        conn.execute(
-            _SQL_TAKE_RUN, (owner, me.pid, me.start, me.namespace, me.boot_id, until, lease, now_ms, job, slot)
-        )
-        attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
-        conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner, now_ms, None, None))
-        return _Claim(job, slot, attempt, failures)
-
-    def claim(
-        self,
-        expected: _RunRow,
-        owner: str,
-        lease: float,
-        now_ms: int,
-        max_attempts: int,
-        skip_if_busy: bool,
-        reason: str = "",
-    ) -> _Claim | None:
-        def work(conn: sqlite3.Connection) -> _Claim | None:
-            rows = conn.execute(_SQL_RUN, (expected.job, expected.slot)).fetchall()
-            if not rows or _run_row(rows[0]) != expected:
-                return None
-            job, slot, attempt = expected.job, expected.slot, expected.attempt
-            if expected.state == "running":
-                conn.execute(_SQL_END_ATTEMPT, ("interrupted", now_ms, reason, None, job, slot, attempt))
-            if expected.cancel:
-                self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
-                return None
-            if attempt >= max_attempts:
-                self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
-                return None
-            if attempt == 0 and skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
-                conn.execute(_SQL_DELETE_RUN, (job, slot))
-                self._skip(conn, job, slot, owner, now_ms)
-                return None
-            return self._take(conn, job, slot, owner, lease, now_ms)
-
-        return self._write(work)
-
-    def _skip(self, conn: sqlite3.Connection, job: str, slot: int, owner: str, now_ms: int) -> None:
-        conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner, None, now_ms, "an earlier run is unfinished"))
-        self._prune(conn, job)
-
-    def _end(self, conn: sqlite3.Connection, row: _RunRow, status: str, error: str, now_ms: int) -> None:
-        conn.execute(_SQL_DELETE_RUN, (row.job, row.slot))
-        conn.execute(_SQL_RECORD, (row.job, row.slot, row.attempt, status, None, None, now_ms, error))
-        self._prune(conn, row.job)
-
-    # -- an attempt's writes (fenced) -------------------------------------------------------------
-
-    def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
-        rows = ", ".join(["(?, ?, ?)"] * len(claims))
-        args = [self._clock.monotonic(), owner, *(v for c in claims for v in (c.job, c.slot, c.attempt))]
-        if self._autocommit(_SQL_RENEW_ALL.format(rows=rows), args) == len(claims):
-            return []
-        return [c for c in claims if not self._read(_SQL_IS_HELD, (c.job, c.slot, c.attempt, owner))]
-
-    def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
-        self._autocommit(_SQL_PROGRESS, (*progress, claim.job, claim.slot, claim.attempt, owner))
-
-    def set_process_group(self, claim: _Claim, owner: str, group: str) -> bool:
-        return self._autocommit(_SQL_SET_PROCESS_GROUP, (group, claim.job, claim.slot, claim.attempt, owner)) == 1
-
-    def process_group(self, job: str, slot: int) -> str | None:
-        rows = self._read(_SQL_PROCESS_GROUP, (job, slot))
-        return rows[0][0] if rows else None
-
     def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
         """One write statement, its own transaction; returns the number of rows it changed."""
         conn = self._connect()
@@ -1788,52 +1915,6 @@ class _SQLiteStore(_Store):
             except sqlite3.Error as exc:
                 raise StoreError(self.path, _explain(exc)) from None
             time.sleep(self._lock_poll)
-
-    def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
-        def work(conn: sqlite3.Connection) -> list[bool]:
-            return [self._finish(conn, owner, end) for end in ends]
-
-        return self._write(work)
-
-    def _finish(self, conn: sqlite3.Connection, owner: str, end: _End) -> bool:
-        job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
-        if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
-            return False
-        conn.execute(_SQL_FINISH_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
-        if end.then is _Then.DONE:
-            conn.execute(_SQL_DELETE_RUN, (job, slot))
-            self._prune(conn, job)
-        else:
-            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then is _Then.RETRY), job, slot))
-        return True
-
-    def _prune(self, conn: sqlite3.Connection, job: str) -> None:
-        conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
-        conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
-
-    # -- requests from any process ----------------------------------------------------------------
-
-    def trigger(self, job: str, now_ms: int) -> int:
-        def work(conn: sqlite3.Connection) -> int:
-            if conn.execute(_SQL_JOB, (job,)).fetchone() is None:
-                raise ConfigError("no such job in the database", job=job)
-            slot = now_ms
-            while conn.execute(_SQL_SLOT_USED, (job, slot, job, slot)).fetchone():
-                slot += 1
-            conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
-            return slot
-
-        return self._write(work)
-
-    def cancel(self, job: str, now_ms: int) -> int:
-        def work(conn: sqlite3.Connection) -> int:
-            pending = conn.execute(_SQL_CANCEL_PENDING, (job,)).fetchall()
-            for slot, attempt in pending:
-                conn.execute(_SQL_DELETE_RUN, (job, slot))
-                conn.execute(_SQL_RECORD, (job, slot, attempt, "cancelled", None, None, now_ms, "cancelled"))
-            return int(conn.execute(_SQL_CANCEL, (job,)).rowcount) + len(pending)
-
-        return self._write(work)
 
     # -- running processes ------------------------------------------------------------------------
 
@@ -1861,34 +1942,6 @@ class _SQLiteStore(_Store):
     def leave(self, instance: str) -> None:
         self._write(lambda conn: conn.execute(_SQL_LEAVE, (instance,)))
 
-    # -- checkpoints and history ------------------------------------------------------------------
-
-    def checkpoint_get(self, job: str, slot: int, fence: tuple[int, str] | None = None) -> tuple[bool, str | None]:
-        fenced = (None, None) if fence is None else fence
-        args = (fenced[0], job, slot, fenced[0], fenced[1], job, slot)
-        held, value = self._read(_SQL_CHECKPOINT_GET, args)[0]
-        return bool(held), value
-
-    def checkpoint_write(
-        self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
-    ) -> bool:
-        def work(conn: sqlite3.Connection) -> bool:
-            if fence is not None and not conn.execute(_SQL_IS_HELD, (job, slot, fence[0], fence[1])).fetchall():
-                return False
-            if value is None:
-                conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
-            else:
-                conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms, None if fence is None else fence[0]))
-            return True
-
-        return self._write(work)
-
-    def history(self, job: str | None, limit: int) -> list[RunRecord]:
-        return [
-            RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
-            for r in self._read(_SQL_HISTORY, (job, job, limit))
-        ]
-
 
 def _real_path(path: str) -> str:
     """The file that ``path`` names, symbolic links followed (SQLite keeps the -wal and -shm files
@@ -1905,19 +1958,6 @@ def _real_path(path: str) -> str:
             "(give the path of the file itself)",
         )
     return os.path.realpath(path)
-
-
-def _job_row(row: Sequence[Any]) -> _JobRow:
-    return _JobRow(row[0], row[1], bool(row[2]), row[3], row[4], row[5], row[6])
-
-
-def _run_row(row: Sequence[Any], now: float | None = None) -> _RunRow:
-    """A run as read; with ``now`` (the lease clock at the read), its ``lease_left`` too."""
-    values = list(row)
-    values[12] = bool(values[12])
-    until = values[11]
-    values.append(None if now is None or until is None else until - now)  # lease_left
-    return _RunRow(*values)
 
 
 def _is_busy(exc: sqlite3.Error) -> bool:

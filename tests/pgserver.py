@@ -1,0 +1,142 @@
+"""A throwaway PostgreSQL server for the tests, the chaos run and the benchmarks.
+
+``Server.start()`` runs ``initdb`` into a temporary folder (as the ``postgres`` user when this
+process is root: the server refuses to run as root) and starts ``postgres`` on a free TCP port of
+127.0.0.1 and a unix socket in that folder, trusting local connections. ``$ANARCHON_TEST_POSTGRES``
+(a URL) is used instead when set. ``reason_missing()`` says why no server can be had, or None.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.parse
+
+GIVEN = "ANARCHON_TEST_POSTGRES"  # a URL: use that server instead of starting one
+REQUIRED = "ANARCHON_REQUIRE_POSTGRES"  # set (CI): a missing server fails the tests instead of skipping them
+
+
+def _binaries() -> str | None:
+    initdb = shutil.which("initdb")
+    if initdb:
+        return os.path.dirname(initdb)
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[-3]))
+    return os.path.dirname(found[-1]) if found else None
+
+
+def reason_missing() -> str | None:
+    """Why the PostgreSQL tests cannot run here, or None."""
+    if os.environ.get(GIVEN):
+        return None
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "psycopg is not installed (pip install '.[postgres]')"
+    if _binaries() is None:
+        return "no PostgreSQL binaries (initdb) on PATH or under /usr/lib/postgresql/*/bin"
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root and there is no postgres user to run the server as"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Server:
+    """One PostgreSQL server: ``url(database)`` to reach it; ``restart()``, ``stop()``."""
+
+    def __init__(self, given: str | None = None):
+        self.given = given
+        self.folder: str | None = None
+        self.port = 0
+        self._bin = _binaries()
+        self._as: list[str] = []
+
+    @classmethod
+    def start(cls) -> Server:
+        given = os.environ.get(GIVEN)
+        server = cls(given)
+        if not given:
+            server._init()
+            server._run()
+        return server
+
+    def url(self, database: str = "postgres", **query: str) -> str:
+        if self.given:
+            parts = urllib.parse.urlsplit(self.given)
+            params = dict(urllib.parse.parse_qsl(parts.query), **query)
+            return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(params)))
+        tail = "?" + urllib.parse.urlencode(query) if query else ""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}{tail}"
+
+    def _command(self, *args: str) -> list[str]:
+        assert self._bin is not None
+        return [*self._as, os.path.join(self._bin, args[0]), *args[1:]]
+
+    def _init(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="anarchon-pg-")
+        if os.geteuid() == 0:
+            shutil.chown(self.folder, "postgres", "postgres")
+            self._as = ["runuser", "-u", "postgres", "--"]
+        os.chmod(self.folder, 0o700)
+        subprocess.run(
+            self._command("initdb", "-D", f"{self.folder}/data", "-U", "postgres", "--auth=trust", "-E", "UTF8"),
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        self.port = _free_port()
+
+    def _run(self) -> None:
+        assert self.folder is not None
+        options = (
+            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.folder} -c fsync=off "
+            "-c max_connections=300 -c shared_preload_libraries=pg_stat_statements"
+        )
+        subprocess.run(
+            self._command("pg_ctl", "-D", f"{self.folder}/data", "-o", options, "-l", f"{self.folder}/log", "-w", "start"),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"the PostgreSQL server on port {self.port} did not start")
+
+    def restart(self, mode: str = "fast") -> None:
+        """Stop the server (``fast``: every session is ended) and start it again on the same port."""
+        assert self.folder is not None, "cannot restart a server that was given"
+        subprocess.run(
+            self._command("pg_ctl", "-D", f"{self.folder}/data", "-m", mode, "-w", "stop"),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        self._run()
+
+    def stop(self) -> None:
+        if self.folder is None:
+            return
+        subprocess.run(
+            self._command("pg_ctl", "-D", f"{self.folder}/data", "-m", "immediate", "-w", "stop"),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder = None
