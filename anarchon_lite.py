@@ -122,11 +122,13 @@ class ConfigError(AnarchonError, ValueError):
 
 
 class StoreError(AnarchonError):
-    """The database file cannot be used. ``path`` names it; the message says why."""
+    """The database cannot be used. ``path`` names it (a file, or a URL without its password); the
+    message says why. ``transient`` when it may pass by itself (a connection to a server lost)."""
 
-    def __init__(self, path: str, message: str):
+    def __init__(self, path: str, message: str, *, transient: bool = False):
         super().__init__(f"{path}: {message}")
         self.path = path
+        self.transient = transient
 
 
 class HandlerEscaped(Exception):
@@ -1100,12 +1102,18 @@ class _Changes(abc.ABC):
 
     @abc.abstractmethod
     def lost(self) -> str | None:
-        """Why the state this process was using is gone (the database was deleted or replaced), or
-        None. The scheduler then aborts its attempts, closes every store and opens them again."""
+        """Why the state this process was using is gone, or its claim on its runs may be (the file was
+        deleted or replaced; the connection holding this process's lock was lost), as a sentence; or
+        None. The scheduler then aborts its attempts, calls ``reset``, closes every store and opens
+        them again."""
 
     @abc.abstractmethod
     def owner_gone(self, run: _RunRow) -> str | None:
-        """As ``_Store.owner_gone``."""
+        """As ``_Store.owner_gone``, on the loop: it never waits for a server."""
+
+    #: Whether ``owner_gone`` looks afresh each time it is asked (SQLite asks the kernel). If not,
+    #: it answers as of the last read of the runs, and the loop reads them again to watch an owner.
+    fresh_liveness = True
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -1120,6 +1128,8 @@ class _Backend(abc.ABC):
     """Where the state lives: opens the store each thread of the scheduler uses, and the loop's
     ``_Changes``. Everything that depends on where the state lives is behind it."""
 
+    where: str  #: the database as messages name it (a path; a URL without its password)
+
     @abc.abstractmethod
     def main(self) -> _Store:
         """The scheduler's own store: claims, ends, checkpoints, control; durable when a call returns."""
@@ -1129,8 +1139,8 @@ class _Backend(abc.ABC):
         """The heartbeat thread's: renewals that wait for contention as briefly as they can."""
 
     @abc.abstractmethod
-    def fallback(self) -> _Store:
-        """The event loop's fallback renewal: must never block."""
+    def fallback(self) -> _Store | None:
+        """The event loop's fallback renewal, which must never block; None if there can be none."""
 
     @abc.abstractmethod
     def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
@@ -1158,7 +1168,9 @@ _SQL_JOB = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE name = ?"
 _SQL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs ORDER BY name"
 _SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
 _SQL_ADVANCE = "UPDATE jobs SET last_slot = ?, next_slot = ? WHERE name = ? AND last_slot = ?"
-_SQL_SET_PAUSED = "UPDATE jobs SET paused = ?, last_slot = CASE WHEN last_slot > ? THEN last_slot ELSE ? END WHERE name = ?"
+_SQL_SET_PAUSED = (
+    "UPDATE jobs SET paused = ?, last_slot = CASE WHEN last_slot > ? THEN last_slot ELSE ? END WHERE name = ?"
+)
 _SQL_RUN_COLUMNS = (
     "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
     "lease_until, cancel, progress_done, progress_total, started_at"
@@ -1252,8 +1264,9 @@ class _SQLStore(_Store):
     _me: _Owner  # this process, as the owner of the runs it takes
 
     @abc.abstractmethod
-    def _write(self, work: Callable[[Any], T]) -> T:
-        """Run ``work(conn)`` in one transaction; roll back on any error."""
+    def _write(self, work: Callable[[Any], T], notify: bool = True) -> T:
+        """Run ``work(conn)`` in one transaction; roll back on any error. ``notify``: tell the other
+        processes when it commits (a checkpoint needs no one's attention)."""
 
     @abc.abstractmethod
     def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
@@ -1458,7 +1471,7 @@ class _SQLStore(_Store):
                 conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms, None if fence is None else fence[0]))
             return True
 
-        return self._write(work)
+        return self._write(work, notify=False)
 
     def history(self, job: str | None, limit: int) -> list[RunRecord]:
         return [
@@ -1566,6 +1579,7 @@ _SQL_JOIN = (
     "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at) VALUES (?, ?, ?, ?, ?, ?)"
 )
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
+
 
 def _read_text(path: str) -> str | None:
     try:
@@ -1858,8 +1872,9 @@ class _SQLiteStore(_SQLStore):
             self._conn.close()
             self._conn = None
 
-    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``work`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any error."""
+    def _write(self, work: Callable[[sqlite3.Connection], T], notify: bool = True) -> T:
+        """Run ``work`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any error. (Every
+        commit wakes the other processes: it writes the -wal file that they watch.)"""
         conn = self._connect()
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -2059,7 +2074,8 @@ class _SQLiteChanges(_Changes):
             return -2
 
     def lost(self) -> str | None:
-        return self._store.file_changed()
+        change = self._store.file_changed()
+        return None if change is None else f"the database file {self._store.path} was {change} while in use"
 
     def owner_gone(self, run: _RunRow) -> str | None:
         return self._store.owner_gone(run)
@@ -2077,7 +2093,7 @@ class _SQLite(_Backend):
     """The SQLite file at ``path``: one connection per thread of the scheduler."""
 
     def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int):
-        self.path, self._clock, self._busy_timeout = path, clock, busy_timeout
+        self.path, self.where, self._clock, self._busy_timeout = path, path, clock, busy_timeout
         self._read_only, self._retention = read_only, retention
 
     def main(self) -> _Store:  # synchronous=FULL
@@ -2100,6 +2116,537 @@ class _SQLite(_Backend):
 
     def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
         return _SQLiteChanges(self.path, self._clock, loop, on_change, poll)
+
+
+###############################################################################
+# The PostgreSQL store ########################################################
+###############################################################################
+#
+# The same tables in a schema of their own (``anarchon`` unless the URL says ``?schema=NAME``).
+# Write transactions are SERIALIZABLE and retried when the server says they raced, so the shared
+# logic sees the one-writer-at-a-time world it was written for. Leases are on the server's clock.
+# Each process holds a session-level advisory lock, on the connection that listens for changes,
+# for as long as it runs: a run whose owner's lock is free is taken over at once.
+
+# The first key of every advisory lock of a schema (the second is the process's ``lock_key``).
+_PG_LOCK_SPACE = "(hashtext({schema_literal}) & 2147483647)"
+_PG_SCHEMA = (
+    "CREATE TABLE meta (version INTEGER NOT NULL)",
+    """CREATE TABLE jobs (
+        name TEXT PRIMARY KEY,
+        schedule TEXT NOT NULL,
+        paused INTEGER NOT NULL DEFAULT 0,
+        last_slot BIGINT NOT NULL,
+        next_slot BIGINT,
+        definition TEXT,
+        declared_by TEXT
+    )""",
+    """CREATE TABLE runs (
+        job TEXT NOT NULL,
+        slot BIGINT NOT NULL,
+        attempt INTEGER NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
+        not_before BIGINT NOT NULL,
+        failures INTEGER NOT NULL DEFAULT 0,
+        owner TEXT,
+        owner_pid INTEGER,
+        owner_start BIGINT,
+        owner_ns TEXT,
+        boot_id TEXT,
+        lease_until DOUBLE PRECISION,
+        lease DOUBLE PRECISION,
+        cancel INTEGER NOT NULL DEFAULT 0,
+        progress_done DOUBLE PRECISION,
+        progress_total DOUBLE PRECISION,
+        started_at BIGINT,
+        process_group TEXT,
+        PRIMARY KEY (job, slot)
+    )""",
+    """CREATE TABLE history (
+        id BIGSERIAL PRIMARY KEY,
+        job TEXT NOT NULL,
+        slot BIGINT NOT NULL,
+        attempt INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        instance TEXT,
+        started_at BIGINT,
+        finished_at BIGINT,
+        error TEXT,
+        output TEXT,
+        UNIQUE (job, slot, attempt)
+    )""",
+    "CREATE INDEX history_by_job ON history (job, id)",
+    "CREATE INDEX history_by_slot ON history (slot)",
+    # One row per running process: the advisory lock it holds, and the server's start time when it
+    # took it (a restart frees every lock: until its owner is back, a free lock proves nothing).
+    """CREATE TABLE instances (
+        instance TEXT PRIMARY KEY,
+        lock_key INTEGER NOT NULL,
+        server_start TIMESTAMPTZ NOT NULL,
+        host TEXT,
+        pid INTEGER,
+        started_at BIGINT NOT NULL
+    )""",
+    "CREATE SEQUENCE lock_keys AS INTEGER MINVALUE 1 CYCLE",
+    """CREATE TABLE checkpoints (
+        job TEXT NOT NULL,
+        slot BIGINT NOT NULL,
+        value TEXT NOT NULL,
+        updated_at BIGINT NOT NULL,
+        attempt INTEGER,
+        PRIMARY KEY (job, slot)
+    )""",
+    (
+        "CREATE FUNCTION lease_clock() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE AS "
+        "'SELECT extract(epoch FROM clock_timestamp())::DOUBLE PRECISION'"
+    ),
+    # Why the process ``who`` is gone, or NULL while it may be alive. After a server restart its
+    # owners get _PG_COMEBACK seconds to reconnect and lock again; until then their leases decide.
+    f"""CREATE FUNCTION owner_gone(who TEXT) RETURNS TEXT LANGUAGE sql STABLE AS $$
+    SELECT CASE
+        WHEN i.instance IS NULL THEN 'the owner has left'
+        WHEN i.server_start <> pg_postmaster_start_time() THEN
+            CASE WHEN clock_timestamp() - pg_postmaster_start_time() < interval '{{comeback}} seconds' THEN NULL
+            ELSE 'the owner did not come back after the server restarted' END
+        WHEN EXISTS (
+            SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND l.classid = {_PG_LOCK_SPACE} AND l.objid = i.lock_key
+        ) THEN NULL
+        ELSE 'the owner''s session ended (its advisory lock is free)' END
+    FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
+    $$""",
+)
+_PG_COMEBACK = 60  # seconds
+_PG_VERSION = "SELECT version FROM meta"
+_PG_SCHEMA_EXISTS = "SELECT to_regclass(?) IS NOT NULL"
+_PG_FINISH_ATTEMPT = (
+    "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ?, "
+    "id = nextval(pg_get_serial_sequence('history', 'id')) WHERE job = ? AND slot = ? AND attempt = ?"
+)
+_PG_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock(), owner_gone(owner) FROM runs ORDER BY job, slot"
+_PG_JOIN = (
+    "INSERT INTO instances (instance, lock_key, server_start, host, pid, started_at) "
+    "VALUES (?, ?, pg_postmaster_start_time(), ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET "
+    "lock_key = excluded.lock_key, server_start = excluded.server_start, host = excluded.host, "
+    "pid = excluded.pid, started_at = excluded.started_at"
+)
+_PG_FORGET_GONE = "DELETE FROM instances WHERE instance != ? AND owner_gone(instance) IS NOT NULL"
+_PG_OTHERS = "SELECT count(*) FROM instances WHERE instance != ?"
+_PG_LEAVE = "DELETE FROM instances WHERE instance = ?"
+_PG_NEXT_KEY = "SELECT nextval('lock_keys')"
+_PG_LOCK = "SELECT pg_try_advisory_lock({space}, ?)"
+_PG_RETRY = ("40001", "40P01")  # serialization failure, deadlock: run the transaction again
+
+
+@functools.cache
+def _pg_sql(sql: str) -> str:
+    """A statement of this file in psycopg's placeholders: ``?`` and ``:name`` to ``%s`` and
+    ``%(name)s`` (no statement here has a ``?``, a ``%`` or a ``:`` in a literal)."""
+    return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql.replace("?", "%s"))
+
+
+class _PGConnection:
+    """A psycopg connection that takes this file's placeholders (the shared logic's ``conn``)."""
+
+    def __init__(self, raw: Any):
+        self.raw = raw
+
+    def execute(self, sql: str, args: Any = ()) -> Any:
+        return self.raw.execute(_pg_sql(sql), args)
+
+    def executemany(self, sql: str, rows: Any) -> Any:
+        cursor = self.raw.cursor()
+        cursor.executemany(_pg_sql(sql), rows)
+        return cursor
+
+
+def _import_psycopg() -> Any:
+    try:
+        return importlib.import_module("psycopg")
+    except ImportError:
+        raise ConfigError(
+            "a PostgreSQL URL needs psycopg 3: pip install 'anarchon_lite[postgres]' (or: pip install 'psycopg[binary]')"
+        ) from None
+
+
+def _is_postgres(path: str) -> bool:
+    return path.startswith(("postgresql://", "postgres://"))
+
+
+@dataclasses.dataclass
+class _PGTarget:
+    """Where the state lives: the connection string, the schema, and the URL as messages show it."""
+
+    conninfo: str
+    schema: str
+    shown: str  # the URL without its password
+
+    @classmethod
+    def parse(cls, url: str) -> _PGTarget:
+        import urllib.parse
+
+        parts = urllib.parse.urlsplit(url)
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        schema = next((v for k, v in query if k == "schema"), "anarchon")
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
+            raise ConfigError(f"schema must be a lower-case SQL name, got {schema!r}", option="schema")
+        rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "schema"])
+        conninfo = urllib.parse.urlunsplit(parts._replace(query=rest))
+        netloc = parts.netloc.rsplit("@", 1)
+        if len(netloc) == 2 and ":" in netloc[0]:
+            netloc[0] = netloc[0].split(":", 1)[0] + ":***"
+        shown = urllib.parse.urlunsplit(parts._replace(netloc="@".join(netloc)))
+        return cls(conninfo, schema, shown)
+
+    def connect(self, psycopg: Any) -> Any:
+        """A new autocommit connection with this schema first on its search path. Keepalives end a
+        connection to a server that stopped answering in about 11 s instead of the system's hours."""
+        options = psycopg.conninfo.conninfo_to_dict(self.conninfo)
+        defaults = {
+            "connect_timeout": 5,
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+            "tcp_user_timeout": 10000,
+            "application_name": "anarchon_lite",
+        }
+        for key, value in defaults.items():
+            options.setdefault(key, value)
+        raw = psycopg.connect(autocommit=True, **options)
+        raw.execute(f'SET search_path TO "{self.schema}"')
+        return raw
+
+    def format(self, sql: str) -> str:
+        """A schema statement with this schema's name and lock space filled in."""
+        literal = "'" + self.schema + "'"
+        space = _PG_LOCK_SPACE.format(schema_literal=literal)
+        return sql.format(schema=f'"{self.schema}"', comeback=_PG_COMEBACK, space=space, schema_literal=literal)
+
+
+class _PGIdentity:
+    """This process's advisory lock: its key (kept across reconnections) and whether the listening
+    connection holds it now. Shared by the backend's stores and its ``_Changes``."""
+
+    def __init__(self) -> None:
+        self.key: int | None = None
+        self.held = threading.Event()
+
+
+class _PGStore(_SQLStore):
+    """The store in a PostgreSQL schema, shared by processes on any number of hosts.
+
+    One connection per store object (autocommit). Multi-statement writes run as SERIALIZABLE
+    transactions, retried when they raced another; each one notifies the others (LISTEN/NOTIFY).
+    Leases are stamped and compared on the server's clock (``lease_clock()``); an owner is gone
+    when its advisory lock is free and the server has not restarted since it took it.
+    """
+
+    _SQL_FINISH_ATTEMPT = _PG_FINISH_ATTEMPT
+    _SQL_RUNS = _PG_RUNS
+
+    def __init__(
+        self, target: _PGTarget, identity: _PGIdentity, *, read_only: bool = False, busy_timeout: float = 30.0
+    ):
+        self.path = target.shown
+        self._target = target
+        self._identity = identity
+        self._read_only = read_only
+        self._busy_timeout = busy_timeout
+        self._psycopg = _import_psycopg()
+        self._me = _this_owner("")
+        self._conn: Any = None
+
+    # -- connection -------------------------------------------------------------------------------
+
+    def _error(self, exc: Exception) -> StoreError:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return StoreError(self.path, text, transient=isinstance(exc, self._psycopg.OperationalError))
+
+    def _connect(self) -> Any:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        self._conn = None
+        try:
+            raw = self._target.connect(self._psycopg)
+            try:
+                _pg_prepare(raw, self._target, self._read_only)
+            except BaseException:
+                raw.close()
+                raise
+        except self._psycopg.Error as exc:
+            raise self._error(exc) from None
+        self._conn = raw
+        return raw
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except self._psycopg.Error:
+                pass
+            self._conn = None
+
+    def _failed(self, exc: Exception) -> StoreError:
+        """The error to raise for ``exc``; a connection that broke is dropped (the next call opens one)."""
+        if self._conn is not None and (self._conn.closed or self._conn.broken):
+            self.close()
+        return self._error(exc)
+
+    def _write(self, work: Callable[[Any], T], notify: bool = True) -> T:
+        """Run ``work(conn)`` in one SERIALIZABLE transaction, again while it races another (up to
+        ``busy_timeout``); notify the other processes when it commits."""
+        deadline = time.monotonic() + self._busy_timeout
+        pause = 0.001
+        while True:
+            raw = self._connect()
+            try:
+                with raw.transaction():
+                    raw.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+                    result = work(_PGConnection(raw))
+                    if notify:
+                        raw.execute("SELECT pg_notify(%s, '')", (_pg_channel(self._target),))
+                return result
+            except self._psycopg.Error as exc:
+                if getattr(exc, "sqlstate", None) in _PG_RETRY and time.monotonic() < deadline:
+                    time.sleep(pause * random.random())
+                    pause = min(pause * 2, 0.1)
+                    continue
+                raise self._failed(exc) from None
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        raw = self._connect()
+        try:
+            return list(raw.execute(_pg_sql(sql), args).fetchall())
+        except self._psycopg.Error as exc:
+            raise self._failed(exc) from None
+
+    def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            raw = self._connect()
+            try:
+                return int(raw.execute(_pg_sql(sql), args).rowcount)
+            except self._psycopg.Error as exc:
+                if getattr(exc, "sqlstate", None) not in _PG_RETRY or time.monotonic() > deadline:
+                    raise self._failed(exc) from None
+
+    def maintain(self) -> None:
+        """Nothing: the server does its own upkeep."""
+
+    # -- running processes ------------------------------------------------------------------------
+
+    def join(self, instance: str, now_ms: int) -> bool:
+        if not self._identity.held.wait(5.0) or self._identity.key is None:
+            raise StoreError(
+                self.path, "not connected: waiting for the connection that holds this process's lock", transient=True
+            )
+        key = self._identity.key
+
+        def work(conn: Any) -> bool:
+            conn.execute(_PG_JOIN, (instance, key, socket.gethostname(), os.getpid(), now_ms))
+            conn.execute(_PG_FORGET_GONE, (instance,))
+            return int(conn.execute(_PG_OTHERS, (instance,)).fetchone()[0]) == 0
+
+        return self._write(work)
+
+    def owner_gone(self, run: _RunRow) -> str | None:
+        """As the server judged it when ``run`` was read (``owner_gone()`` in SQL)."""
+        return run.gone
+
+    def leave(self, instance: str) -> None:
+        self._write(lambda conn: conn.execute(_PG_LEAVE, (instance,)))
+
+
+def _pg_channel(target: _PGTarget) -> str:
+    return f"anarchon_{target.schema}"
+
+
+def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> None:
+    """Create the schema on first use (one process at a time: a transaction-level advisory lock),
+    or check that it is of a version this module knows."""
+    tables = f"{target.schema}.meta"
+    if raw.execute(_pg_sql(_PG_SCHEMA_EXISTS), (tables,)).fetchone()[0]:
+        version = int(raw.execute(_PG_VERSION).fetchone()[0])
+    elif read_only:
+        raise StoreError(target.shown, f"no anarchon_lite schema {target.schema!r} in this database")
+    else:
+        with raw.transaction():
+            raw.execute(target.format("SELECT pg_advisory_xact_lock({space}, 0)"))
+            raw.execute(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"')
+            if not raw.execute(_pg_sql(_PG_SCHEMA_EXISTS), (tables,)).fetchone()[0]:
+                for statement in _PG_SCHEMA:
+                    raw.execute(target.format(statement))
+                raw.execute("INSERT INTO meta (version) VALUES (%s)", (SCHEMA_VERSION,))
+            version = int(raw.execute(_PG_VERSION).fetchone()[0])
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            target.shown,
+            f"schema {target.schema!r} was written by a newer anarchon_lite (version {version}; this one knows {SCHEMA_VERSION})",
+        )
+
+
+class _PGChanges(_Changes):
+    """Changes in a PostgreSQL schema, and this process's advisory lock, on one connection.
+
+    A thread connects (again, with backoff, when the connection is lost), takes this process's
+    lock and LISTENs; the event loop then reads the socket: each notification bumps ``version()``
+    and calls ``on_change``. A lost connection (the server restarted, the backend was terminated,
+    keepalives found the server gone) is ``lost()`` at once: the lock is gone with it, so another
+    process may take this one's runs, and the scheduler aborts them.
+    """
+
+    pushed = True
+    fresh_liveness = False  # ``owner_gone`` answers as of the last read of the runs
+
+    def __init__(
+        self, target: _PGTarget, identity: _PGIdentity, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]
+    ):
+        self._target, self._identity, self._loop, self._on_change = target, identity, loop, on_change
+        self._psycopg = _import_psycopg()
+        self._conn: Any = None
+        self._count = 0
+        self._lost: str | None = None
+        self._closed = threading.Event()
+        self._connector: threading.Thread | None = None
+        self._connect_soon()
+
+    # -- on the connector thread
+
+    def _connect_soon(self) -> None:
+        if self._connector is None or not self._connector.is_alive():
+            self._connector = threading.Thread(target=self._connect_until_done, name="anarchon-listen", daemon=True)
+            self._connector.start()
+
+    def _connect_until_done(self) -> None:
+        pause, failing, logged = 0.5, "", 0.0
+        while not self._closed.is_set():
+            try:
+                raw = self._connect()
+            except (self._psycopg.Error, StoreError) as exc:
+                text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                if text != failing or time.monotonic() - logged >= 60.0:
+                    _log.error(
+                        "%s: cannot connect (trying again every %s): %s",
+                        self._target.shown,
+                        format_duration(pause),
+                        text,
+                    )
+                    failing, logged = text, time.monotonic()
+                self._closed.wait(pause)
+                pause = min(pause * 2, 5.0)
+                continue
+            if failing:
+                _log.warning("%s: connected again", self._target.shown)
+            try:
+                self._loop.call_soon_threadsafe(self._attach, raw)
+            except RuntimeError:  # the loop is closed
+                raw.close()
+            return
+
+    def _connect(self) -> Any:
+        raw = self._target.connect(self._psycopg)
+        try:
+            _pg_prepare(raw, self._target, read_only=False)
+            while True:
+                if self._identity.key is None:
+                    self._identity.key = int(raw.execute(_PG_NEXT_KEY).fetchone()[0])
+                if raw.execute(self._target.format(_pg_sql(_PG_LOCK)), (self._identity.key,)).fetchone()[0]:
+                    break
+                self._identity.key = None  # another process holds it (the keys went round): the next one
+            raw.execute(f'LISTEN "{_pg_channel(self._target)}"')
+        except BaseException:
+            raw.close()
+            raise
+        return raw
+
+    # -- on the event loop
+
+    def _attach(self, raw: Any) -> None:
+        if self._closed.is_set():
+            raw.close()
+            return
+        self._conn = raw
+        self._identity.held.set()
+        self._count += 1
+        self._loop.add_reader(raw.fileno(), self._readable)
+        self._on_change()
+
+    def _readable(self) -> None:
+        raw = self._conn
+        if raw is None:
+            return
+        try:
+            raw.pgconn.consume_input()
+            while raw.pgconn.notifies() is not None:
+                self._count += 1
+            broken = raw.pgconn.status != self._psycopg.pq.ConnStatus.OK
+            reason = raw.pgconn.get_error_message() if broken else ""
+        except self._psycopg.Error as exc:
+            broken, reason = True, str(exc)
+        if broken:
+            text = (reason or "closed by the server").strip().splitlines()[0]
+            self._drop()
+            self._lost = f"the connection to {self._target.shown} that holds this process's lock was lost ({text})"
+        self._on_change()
+
+    def _drop(self) -> None:
+        self._identity.held.clear()
+        if self._conn is not None:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (ValueError, OSError):
+                pass
+            try:
+                self._conn.close()
+            except self._psycopg.Error:
+                pass
+            self._conn = None
+
+    def version(self) -> int:
+        return -2 if self._conn is None else self._count
+
+    def lost(self) -> str | None:
+        return self._lost
+
+    def owner_gone(self, run: _RunRow) -> str | None:
+        return run.gone
+
+    def reset(self) -> None:
+        self._lost = None
+        if self._conn is None:
+            self._connect_soon()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._drop()
+
+
+class _Postgres(_Backend):
+    """A PostgreSQL schema: one connection per thread of the scheduler, and one that holds this
+    process's advisory lock and listens for changes."""
+
+    def __init__(self, url: str, read_only: bool, busy_timeout: float, retention: int):
+        _import_psycopg()
+        self._target = _PGTarget.parse(url)
+        self.where = self._target.shown
+        self._identity = _PGIdentity()
+        self._read_only, self._busy_timeout, self._retention = read_only, busy_timeout, retention
+
+    def main(self) -> _Store:
+        store = _PGStore(self._target, self._identity, read_only=self._read_only, busy_timeout=self._busy_timeout)
+        store.retention = self._retention
+        return store
+
+    def heartbeat(self) -> _Store:
+        return _PGStore(self._target, self._identity, busy_timeout=self._busy_timeout)
+
+    def fallback(self) -> _Store | None:
+        return None  # a renewal on the loop would wait for the network: the thread's wait releases the GIL
+
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
+        return _PGChanges(self._target, self._identity, loop, on_change)
 
 
 ###############################################################################
@@ -2221,7 +2768,9 @@ class _Heartbeats(threading.Thread):
     loop renews too, a moment later, if the round is still not done: an event loop that yields often
     (computing in chunks) takes the GIL straight back at every turn and can starve a waiting thread
     for seconds. Renewing twice is harmless. A renewal that finds a run taken aborts that attempt's
-    token with ``LeaseLost``; one that fails (lock held too long, disk error) is retried soon.
+    token with ``LeaseLost``; one that fails (lock held too long, disk error, a lost connection) is
+    retried soon. An attempt whose lease runs out, by this process's own clock, before a renewal
+    succeeds is aborted with ``LeaseLost`` then, without waiting to hear it from the store.
     From ``_EARLY`` before a round until it is done, the thread lowers the interpreter's switch
     interval to ``switch_interval`` (``_SwitchInterval``).
     """
@@ -2239,7 +2788,7 @@ class _Heartbeats(threading.Thread):
     ):
         super().__init__(name=name, daemon=True)
         self._store = backend.heartbeat()
-        self._loop_store = backend.fallback()  # never blocks the loop
+        self._loop_store = backend.fallback()  # never blocks the loop (None: the loop only checks expiry)
         self._loop = loop
         self._loop_timer: asyncio.TimerHandle | None = None
         self._clock = clock
@@ -2257,6 +2806,7 @@ class _Heartbeats(threading.Thread):
     def add(self, attempt: _Attempt) -> None:
         """Start renewing ``attempt`` (call on the event loop's thread)."""
         with self._cond:
+            attempt.valid_until = self._clock.monotonic() + attempt.lease
             self._attempts[id(attempt)] = attempt
             if self._due is None:
                 self._due = self._clock.monotonic() + attempt.renew_every
@@ -2273,7 +2823,8 @@ class _Heartbeats(threading.Thread):
         if self._loop_timer is not None:
             self._loop_timer.cancel()
             self._loop_timer = None
-        self._loop_store.close()
+        if self._loop_store is not None:
+            self._loop_store.close()
 
     def reopen(self) -> None:
         """Close the connections to the file; the next renewal opens the path again (call on the
@@ -2282,7 +2833,8 @@ class _Heartbeats(threading.Thread):
             self._closed.clear()
             self._reopen = True
             self._cond.notify()
-        self._loop_store.close()
+        if self._loop_store is not None:
+            self._loop_store.close()
 
     def wait_closed(self, timeout: float) -> bool:
         """After ``reopen``: wait until the thread has closed its connection (call off the loop)."""
@@ -2306,6 +2858,7 @@ class _Heartbeats(threading.Thread):
         if not batch:
             return wait
         owner = batch[0].owner
+        sent = self._clock.monotonic()
         try:
             lost = store.renew_all(owner, [a.claim for a in batch])
             for attempt in batch:
@@ -2319,6 +2872,7 @@ class _Heartbeats(threading.Thread):
             if str(exc) != self._failing:  # once per kind of failure, not once per retry
                 _log.warning("lease renewal failed, retrying every 0.2 s: %s", exc)
             self._failing = str(exc)
+            self._expire()
             return 0.2
         if self._failing is not None and store is self._store:
             _log.warning("lease renewals work again")
@@ -2330,6 +2884,8 @@ class _Heartbeats(threading.Thread):
                 for _ in batch:
                     self.lateness.add(now - planned)
                 self._due = max(planned + period, now + period / 4)
+            for attempt in batch:
+                attempt.valid_until = max(attempt.valid_until, sent + attempt.lease)
             for claim in lost:
                 attempt = next(a for a in batch if a.claim is claim)
                 if not attempt.done:  # (a finished attempt's run is simply gone)
@@ -2339,10 +2895,32 @@ class _Heartbeats(threading.Thread):
             return None if self._due is None else self._due - now
 
     def _on_loop(self) -> None:
-        wait = self._renew_due(self._loop_store)
+        expiry = self._expire()
+        if self._loop_store is not None:
+            wait = self._renew_due(self._loop_store)  # (a round is always due well before an expiry)
+        else:
+            wait = None if expiry is None else expiry - self._clock.monotonic()
         self._loop_timer = (
             None if wait is None else self._loop.call_later(max(wait, 0.0) + self._LOOP_DELAY, self._on_loop)
         )
+
+    def _expire(self) -> float | None:
+        """Abort the attempts whose lease ran out by this process's clock; return when the next
+        one would (monotonic), or None."""
+        now = self._clock.monotonic()
+        with self._cond:
+            live = [a for a in self._attempts.values() if not a.done]
+            for attempt in live:
+                if attempt.valid_until <= now:
+                    self.lateness.lost += 1
+                    attempt.token.abort(
+                        LeaseLost(
+                            f"{attempt.claim.job}: the lease ran out ({format_duration(attempt.lease)}) before a "
+                            "renewal succeeded"
+                        )
+                    )
+                    attempt.done = True
+            return min((a.valid_until for a in live if not a.done), default=None)
 
     def _lower_near_round(self, wait: float | None) -> float | None:
         """Lower the switch interval if the next round is ``_EARLY`` away or less, put it back if
@@ -2549,6 +3127,9 @@ class _Attempt:
     progress: tuple[float | None, float | None] = (None, None)
     reported: tuple[float | None, float | None] = (None, None)
     done: bool = False
+    #: Until when (monotonic) the lease surely holds, by this process's own clock: a lease's length
+    #: from when the last renewal that succeeded was sent.
+    valid_until: float = 0.0
 
 
 class _JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -2823,7 +3404,12 @@ class Scheduler:
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
         self._read_only = read_only
-        self._backend: _Backend = _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
+        self._backend: _Backend = (
+            _Postgres(self.path, read_only, busy_timeout, retention)
+            if _is_postgres(self.path)
+            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
+        )
+        self._where = self._backend.where  # the database, as messages name it
         self._jobs: dict[str, _Job] = {}
         self._store_thread: _StoreThread | None = None
         self._registered = False
@@ -3117,12 +3703,10 @@ class Scheduler:
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         self._hurry = asyncio.Event()
-        now_ms = _ms(self._clock.time())
-        alone = await self._join()
-        on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
-        if alone and on_start:  # the first process of a group runs the jobs declared to run on start
-            await self._call_store(lambda s: [s.trigger(name, now_ms) for name in on_start])
-        self._poked = False
+        # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
+        # connection that holds this process's lock), and no change after the join goes unseen.
+        loop_state = _LoopState(self._backend.changes(loop, self._file_written, self._polling))
+        self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
         self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = _Heartbeats(
             self._backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
@@ -3130,20 +3714,18 @@ class Scheduler:
         self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
         self._timers.start()
         self._heartbeats.start()
-        loop_state = _LoopState(self._backend.changes(loop, self._file_written, self._polling))
-        self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
         try:
+            await self._join_first(loop_state)
+            self._poked = False
             while not self._stopping:
                 self._poked = False  # a wake from now on means: look again after this tick
                 try:
                     await self._tick(loop_state)
                 except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
-                    loop_state.delay = min(max(loop_state.delay * 2, self._poll), 5.0)
-                    self._backing_off = True
-                    self._log_failure(loop_state, exc)
+                    self._back_off(loop_state, exc)
                 else:
                     if loop_state.failing is not None:
-                        _log.warning("%s can be used again", self.path)
+                        _log.warning("%s can be used again", self._where)
                         loop_state.failing = None
                     loop_state.delay = 0.0
                     self._backing_off = False
@@ -3163,6 +3745,31 @@ class Scheduler:
                 self._store_thread.close()
                 self._store_thread = None
             self._registered = False
+
+    async def _join_first(self, state: _LoopState) -> None:
+        """Join the group; the first process of a group runs the jobs declared to run on start. A
+        server that cannot be reached yet is waited for (logged, with back-off); any other failure
+        to open the database is raised."""
+        now_ms = _ms(self._clock.time())
+        while not self._stopping:
+            try:
+                alone = await self._join()
+                break
+            except StoreError as exc:
+                if not exc.transient:
+                    raise
+                self._back_off(state, exc)
+                await self._sleep(state.delay)
+        else:
+            return
+        on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
+        if alone and on_start:
+            await self._call_store(lambda s: [s.trigger(name, now_ms) for name in on_start])
+
+    def _back_off(self, state: _LoopState, exc: Exception) -> None:
+        state.delay = min(max(state.delay * 2, self._poll), 5.0)
+        self._backing_off = True
+        self._log_failure(state, exc)
 
     def _log_failure(self, state: _LoopState, exc: Exception) -> None:
         """Log a failed look: at once when it fails differently, else once a minute at most."""
@@ -3223,7 +3830,8 @@ class Scheduler:
             state.recheck = 0.005
         elif state.recheck:
             state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
-        if version != state.version or state.runs is None or self._dirty:
+        stale = state.watching and self._clock.monotonic() >= state.read_at + self._poll - 0.01
+        if version != state.version or state.runs is None or self._dirty or stale:
             self._dirty = False
             jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
             state.read_at = self._clock.monotonic()
@@ -3238,7 +3846,7 @@ class Scheduler:
                     "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
                     "until it is corrected",
                     _utc_from_ms(now_ms).isoformat(),
-                    self.path,
+                    self._where,
                     _utc_from_ms(state.newest).isoformat(),
                 )
                 self._clock_warned = True
@@ -3260,6 +3868,7 @@ class Scheduler:
             await self._fire(ready, now_ms)
             state.version = -1
             wait = 0.0
+        state.watching = False
         for run in state.runs or []:
             again = await self._consider(run, now_ms, state)
             if again is not None:
@@ -3269,16 +3878,13 @@ class Scheduler:
         state.wait = wait
 
     async def _reopen(self, state: _LoopState, change: str) -> None:
-        """The database file was deleted or replaced under this process: what it held (runs, their
-        leases, checkpoints) is gone from view. Abort the attempts that ran on it, close every
-        connection to it, and carry on with the file now at the path (created anew if none)."""
-        _log.error(
-            "the database file %s was %s while in use: aborting this process's running attempts and reopening it",
-            self.path,
-            change,
-        )
+        """The state this process used is gone from view, or its claim on its runs may be (``change``
+        says which): the database file was deleted or replaced, or the connection holding this
+        process's lock was lost. Abort the attempts, close every connection, and carry on with what
+        the path names now (a file created anew if none; the server once it is back)."""
+        _log.error("%s: aborting this process's running attempts and opening the database again", change)
         for attempt in list(self._attempts.values()):
-            attempt.token.abort(LeaseLost(f"{attempt.claim.job}: the database file {self.path} was {change}"))
+            attempt.token.abort(LeaseLost(f"{attempt.claim.job}: {change}"))
         state.watch.reset()
         if self._store_thread is not None:
             await self._store_thread.call(lambda s: s.close())
@@ -3334,7 +3940,10 @@ class Scheduler:
             gone = state.watch.owner_gone(run)
             left = (run.lease_left or 0.0) - (self._clock.monotonic() - state.read_at)
             if gone is None and left >= 0:
-                return min(self._poll, left + 0.001)  # watch the owner's pid, and its lease
+                # Watch the owner, and its lease: a store that judges owners only when it reads the
+                # runs has them read again at the next look.
+                state.watching = state.watching or not state.watch.fresh_liveness
+                return min(self._poll, left + 0.001)
             reason = gone or "lease expired"
         options = job.options
         claim = await self._call_store(
@@ -3527,6 +4136,7 @@ class _LoopState:
     delay: float = 0.0
     recheck: float = 0.0  # after a write seen by the file watch: look again this soon
     read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
+    watching: bool = False  # another process's run is watched with ``owner_gone`` as of that read
     failing: str | None = None  # the error of the last look, while looks fail
     logged: float = 0.0  # when it was last logged (monotonic)
 
