@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import Awaitable
@@ -92,3 +93,91 @@ def machine_to_itself():
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------------
+#
+# A test that takes the ``store`` fixture runs once on an SQLite file and once on a fresh schema of
+# a throwaway PostgreSQL server (one per test session, started on first use: tests/pgserver.py);
+# ``@pytest.mark.sqlite_only`` keeps a test to SQLite, where what it checks exists only there (the
+# injected clock as the lease clock, the file itself). Without a server the PostgreSQL cases skip
+# with the reason, unless ``$ANARCHON_REQUIRE_POSTGRES`` is set (CI): then they fail.
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sqlite_only: the test checks what only the SQLite store has")
+
+
+def pytest_generate_tests(metafunc):
+    if "store" in metafunc.fixturenames:
+        kinds = ["sqlite"] if metafunc.definition.get_closest_marker("sqlite_only") else ["sqlite", "postgresql"]
+        metafunc.parametrize("store", kinds, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    import pgserver
+
+    reason = pgserver.reason_missing()
+    if reason is not None:
+        if os.environ.get(pgserver.REQUIRED):
+            pytest.fail(f"PostgreSQL is required (${pgserver.REQUIRED}) but cannot be had: {reason}")
+        pytest.skip(f"no PostgreSQL server: {reason}")
+    server = pgserver.Server.start()
+    yield server
+    server.stop()
+
+
+_schemas = iter(range(1, 1_000_000))
+
+
+@pytest.fixture
+def store(request, tmp_path) -> str:
+    """Where a test's scheduler keeps its state: an SQLite file, or a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        return str(tmp_path / "jobs.db")
+    server = request.getfixturevalue("pg_server")
+    return server.url(schema=f"t{os.getpid()}_{next(_schemas)}")
+
+
+# -- faults through the store interface ----------------------------------------------------------
+
+
+class _Wrapped:
+    """A store whose methods named in ``around`` run through ``around[name](original, *args)``."""
+
+    def __init__(self, inner, around):
+        self._inner, self._around = inner, around
+
+    def __getattr__(self, name):
+        original = getattr(self._inner, name)
+        if name not in self._around:
+            return original
+        return lambda *args, **kwargs: self._around[name](original, *args, **kwargs)
+
+
+class FaultyBackend(anarchon_lite._Backend):
+    """A scheduler's backend whose stores run the methods named in ``around`` through the given
+    functions (to fail, delay or count them): faults injected through the interface, on any store."""
+
+    def __init__(self, inner, around):
+        self.inner, self.around, self.where = inner, around, inner.where
+
+    def main(self):
+        return _Wrapped(self.inner.main(), self.around)
+
+    def heartbeat(self):
+        return _Wrapped(self.inner.heartbeat(), self.around)
+
+    def fallback(self):
+        store = self.inner.fallback()
+        return None if store is None else _Wrapped(store, self.around)
+
+    def changes(self, loop, on_change, poll):
+        return self.inner.changes(loop, on_change, poll)
+
+
+def inject(scheduler, **around):
+    """Run the named store methods of ``scheduler`` through ``around`` (before it runs)."""
+    scheduler._backend = FaultyBackend(scheduler._backend, around)
+    return scheduler

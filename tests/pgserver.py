@@ -107,7 +107,9 @@ class Server:
             "-c max_connections=300 -c shared_preload_libraries=pg_stat_statements"
         )
         subprocess.run(
-            self._command("pg_ctl", "-D", f"{self.folder}/data", "-o", options, "-l", f"{self.folder}/log", "-w", "start"),
+            self._command(
+                "pg_ctl", "-D", f"{self.folder}/data", "-o", options, "-l", f"{self.folder}/log", "-w", "start"
+            ),
             check=True,
             stdout=subprocess.DEVNULL,
         )
@@ -135,6 +137,7 @@ class Server:
             return
         subprocess.run(
             self._command("pg_ctl", "-D", f"{self.folder}/data", "-m", "immediate", "-w", "stop"),
+            check=False,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

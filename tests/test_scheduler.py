@@ -6,10 +6,11 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, run, wait_for
+from conftest import QUIET, ManualClock, inject, run, wait_for
 
 from anarchon_lite import (
     Cancelled,
+    Clock,
     ConfigError,
     LeaseLost,
     RunTimeout,
@@ -18,6 +19,21 @@ from anarchon_lite import (
 )
 
 HOUR = 3600.0
+
+
+@pytest.fixture
+def lease_clock(store, clock):
+    """For tests of leases running out: the injected clock on SQLite, whose leases are on it; on
+    PostgreSQL, whose leases are on the server's clock, the real one (see ``expire``)."""
+    return clock if store.endswith(".db") else Clock()
+
+
+async def expire(clock, seconds):
+    """Let ``seconds`` pass for the leases: moved by hand, or waited out."""
+    if isinstance(clock, ManualClock):
+        clock.advance(seconds)
+    else:
+        await asyncio.sleep(seconds)
 
 
 def make(db, clock=None, **kw):
@@ -48,6 +64,12 @@ def next_slot(clock, interval):
     comes due, so the scheduler sees no downtime)."""
     aligned(clock, interval)
     clock.advance(0.6)
+
+
+@pytest.fixture
+def db(store):
+    """Every test here runs on both stores (``store``), unless marked ``sqlite_only``."""
+    return store
 
 
 def test_every_runs_each_slot_once_across_two_schedulers(db, clock):
@@ -475,15 +497,16 @@ def test_plain_function_handler_ignoring_shutdown_is_fenced_off(db):
     run(main())
 
 
-def test_lease_expiry_takeover_fences_the_old_attempt(db, clock):
-    events = []
+def test_lease_expiry_takeover_fences_the_old_attempt(db, lease_clock):
+    clock, events = lease_clock, []
+    lease = 30 if isinstance(clock, ManualClock) else 1
 
     async def main():
         a, b = make(db, clock, instance="a"), make(db, clock, instance="b")
         go = asyncio.Event()
         for s in (a, b):
 
-            @s.every("work", "1h", lease="30s")
+            @s.every("work", "1h", lease=lease)
             async def work(ctx):
                 events.append((ctx.instance, ctx.attempt))
                 if ctx.instance == "a":
@@ -501,7 +524,7 @@ def test_lease_expiry_takeover_fences_the_old_attempt(db, clock):
             await wait_for(lambda: events == [("a", 1)])
             a._heartbeats.stop()  # a freezes: no more renewals
             async with b:
-                clock.advance(31)
+                await expire(clock, lease + 1)
                 await wait_for(lambda: ("b", 2) in events)
                 await wait_for(lambda: has(b, "work", "succeeded"))
                 go.set()
@@ -514,7 +537,9 @@ def test_lease_expiry_takeover_fences_the_old_attempt(db, clock):
     run(main())
 
 
-def test_max_attempts(db, clock):
+def test_max_attempts(db, lease_clock):
+    clock = lease_clock
+
     async def main():
         a = make(db, clock, instance="a")
         a.every("job", "1h", lambda ctx: None, max_attempts=1)
@@ -532,7 +557,7 @@ def test_max_attempts(db, clock):
             await wait_for(lambda: b._attempts)
             b._heartbeats.stop()
             async with c:
-                clock.advance(2)
+                await expire(clock, 2)
                 await wait_for(lambda: has(c, "job", "failed"))
             gate.set()
         records = [r for r in await c.history("job") if r.status == "failed"]
@@ -653,30 +678,24 @@ def test_blocked_loop_warning_names_the_job(db, caplog):
     assert warnings and "job hog" in warnings[0] and "test_scheduler.py" in warnings[0]
 
 
-def test_transient_store_failures_do_not_stop_the_scheduler(db, monkeypatch, caplog):
-    import anarchon_lite as al
-
+def test_transient_store_failures_do_not_stop_the_scheduler(db, caplog):
     failures = {"finish_many": 2, "renew_all": 2, "claim_due_many": 1}
-    originals = {name: getattr(al._SQLiteStore, name) for name in failures}
 
     def flaky(name):
-        def method(self, *args, **kwargs):
+        def method(original, *args, **kwargs):
             if failures[name] > 0:
                 failures[name] -= 1
-                raise StoreError(self.path, "disk I/O error (injected)")
-            return originals[name](self, *args, **kwargs)
+                raise StoreError(db, "disk I/O error (injected)")
+            return original(*args, **kwargs)
 
         return method
 
-    for name in failures:
-        monkeypatch.setattr(al._SQLiteStore, name, flaky(name))
-
     async def main():
-        s = make(db)
+        s = inject(make(db), **{name: flaky(name) for name in failures})
 
-        @s.every("steady", "24h", offset=QUIET, lease="300ms", overlap="allow")
+        @s.every("steady", "24h", offset=QUIET, lease="1s", overlap="allow")
         async def steady(ctx):
-            await asyncio.sleep(0.5)  # several renewals, the first two of which fail
+            await asyncio.sleep(1.2)  # several renewals (every 1/3 s), the first two of which fail (retried in 0.2 s)
 
         @s.every("often", "200ms")
         async def often(ctx):
@@ -752,21 +771,17 @@ def test_an_idle_scheduler_is_woken_by_other_processes_writes(db):
     run(main())
 
 
-def test_a_stop_while_starting_is_kept(db, monkeypatch):
+def test_a_stop_while_starting_is_kept(db):
     """SIGTERM can arrive while the scheduler is still joining the file: it must still stop."""
-    import anarchon_lite as al
+    joining = threading.Event()
 
-    joining, join = threading.Event(), al._SQLiteStore.join
-
-    def slow_join(self, *args):
+    def slow_join(join, *args):
         joining.set()
         time.sleep(0.3)  # the join's transaction, still in progress when the stop comes
-        return join(self, *args)
-
-    monkeypatch.setattr(al._SQLiteStore, "join", slow_join)
+        return join(*args)
 
     async def main():
-        s = make(db)
+        s = inject(make(db), join=slow_join)
         s.every("job", "1h", lambda ctx: None)
         runner = asyncio.ensure_future(s.run())
         await wait_for(joining.is_set, message="the join to start")
