@@ -15,14 +15,88 @@ from anarchon_lite import Scheduler
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 
-class Processes:
-    """Starts worker processes and guarantees that each is ended and reaped."""
+class Isolated:
+    """A worker in a pid namespace of its own (``unshare --pid --fork --mount-proc``), as if on
+    another host: no ``/proc`` look reaches it. ``pid`` is the worker's (not unshare's), signals go
+    to it, and its exit status reads as a ``Popen``'s."""
 
-    def __init__(self, db, events):
-        self.db, self.events, self.procs = db, events, []
+    # The namespace's first process is a shell that waits for the worker and exits with its status:
+    # the worker can be killed without ending the namespace, and unshare reports how it ended.
+    _SHELL = '"$@"; status=$?; exit $status'
+
+    def __init__(self, args, pid_file):
+        self._unshare = subprocess.Popen(
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--kill-child=SIGKILL",
+                "sh",
+                "-c",
+                self._SHELL,
+                "sh",
+                *args,
+            ],
+            env={**os.environ, "WORKER_PID_FILE": pid_file},
+        )
+        shell = self._child(self._unshare.pid)
+        self.pid = self._child(shell) if shell else None
+        if not self.pid:
+            self._unshare.kill()
+            raise AssertionError("the isolated worker did not start")
+        with open(pid_file + ".tmp", "w") as handle:
+            handle.write(str(self.pid))
+        os.rename(pid_file + ".tmp", pid_file)
+
+    @staticmethod
+    def _child(pid):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as handle:
+                    found = handle.read().split()
+            except OSError:
+                found = []
+            if found:
+                return int(found[0])
+            time.sleep(0.01)
+        return None
+
+    def _status(self, code):
+        return None if code is None else (code - 128) * -1 if code > 128 else code
+
+    def poll(self):
+        return self._status(self._unshare.poll())
+
+    def wait(self, timeout=None):
+        return self._status(self._unshare.wait(timeout=timeout))
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def send_signal(self, signum):
+        os.kill(self.pid, signum)
+
+    def kill(self):
+        self._unshare.kill()  # and its child, by --kill-child
+
+
+class Processes:
+    """Starts worker processes and guarantees that each is ended and reaped. On PostgreSQL each
+    worker gets a pid namespace of its own, as on a host of its own."""
+
+    def __init__(self, db, events, isolated=False):
+        self.db, self.events, self.procs, self.isolated = db, events, [], isolated
 
     def start(self, mode, lease=30.0):
-        proc = subprocess.Popen([sys.executable, WORKER, self.db, self.events, mode, str(lease)])
+        args = [sys.executable, WORKER, self.db, self.events, mode, str(lease)]
+        if self.isolated:
+            pid_file = f"{self.events}.pid{len(self.procs)}"
+            proc = Isolated(args, pid_file)
+        else:
+            proc = subprocess.Popen(args)
         self.procs.append(proc)
         return proc
 
@@ -61,8 +135,8 @@ class Processes:
 
 
 @pytest.fixture
-def procs(tmp_path):
-    p = Processes(str(tmp_path / "jobs.db"), str(tmp_path / "events.jsonl"))
+def procs(tmp_path, store):
+    p = Processes(store, str(tmp_path / "events.jsonl"), isolated=not store.endswith(".db"))
     try:
         yield p
     finally:

@@ -25,11 +25,27 @@ from anarchon_lite import Aborted, Clock, LeaseLost, Scheduler
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests ask a stuck worker where it is
 DB, EVENTS, MODE = sys.argv[1:4]
 LEASE = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
-ME = f"{MODE}-{os.getpid()}"
+
+
+def host_pid():
+    """This process's pid as the test sees it: in a pid namespace of its own (a simulated host),
+    the test writes it to $WORKER_PID_FILE, since the worker itself only sees its inner pid."""
+    path = os.environ.get("WORKER_PID_FILE")
+    if not path:
+        return os.getpid()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with open(path) as handle:
+        return int(handle.read())
+
+
+PID = host_pid()
+ME = f"{MODE}-{PID}"
 
 
 def emit(kind, **fields):
-    line = json.dumps({"event": kind, "pid": os.getpid(), "t": time.time(), **fields}) + "\n"
+    line = json.dumps({"event": kind, "pid": PID, "t": time.time(), **fields}) + "\n"
     fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, line.encode())
