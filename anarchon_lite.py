@@ -1261,7 +1261,10 @@ class _SQLStore(_Store):
 
     _SQL_RUNS = _SQL_RUNS
     _SQL_FINISH_ATTEMPT = ""  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id)
-    _me: _Owner  # this process, as the owner of the runs it takes
+
+    @abc.abstractmethod
+    def _owner(self) -> _Owner:
+        """This process, as the owner of the runs it takes (what tells whether it still exists)."""
 
     @abc.abstractmethod
     def _write(self, work: Callable[[Any], T], notify: bool = True) -> T:
@@ -1338,7 +1341,7 @@ class _SQLStore(_Store):
     def _take(self, conn: Any, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
         """Make ``owner`` (an instance of this process) the holder of a run for ``lease`` seconds,
         stamped on the lease clock, with what tells whether this process still exists."""
-        me = self._me
+        me = self._owner()
         conn.execute(
             _SQL_TAKE_RUN, (owner, me.pid, me.start, me.namespace, me.boot_id, lease, lease, now_ms, job, slot)
         )
@@ -1718,6 +1721,9 @@ class _SQLiteStore(_SQLStore):
         self._lock_poll = lock_poll
         self._conn: sqlite3.Connection | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
+
+    def _owner(self) -> _Owner:
+        return self._me
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -2200,9 +2206,10 @@ _PG_SCHEMA = (
         "CREATE FUNCTION lease_clock() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE AS "
         "'SELECT extract(epoch FROM clock_timestamp())::DOUBLE PRECISION'"
     ),
-    # Why the process ``who`` is gone, or NULL while it may be alive. After a server restart its
-    # owners get _PG_COMEBACK seconds to reconnect and lock again; until then their leases decide.
-    f"""CREATE FUNCTION owner_gone(who TEXT) RETURNS TEXT LANGUAGE sql STABLE AS $$
+    # Why the process ``who``, as it was when it held lock ``lock``, is gone (or its session is), or
+    # NULL while it may be alive. After a server restart its owners get _PG_COMEBACK seconds to
+    # reconnect and lock again; until then their leases decide.
+    f"""CREATE FUNCTION owner_gone(who TEXT, lock INTEGER) RETURNS TEXT LANGUAGE sql STABLE AS $$
     SELECT CASE
         WHEN i.instance IS NULL THEN 'the owner has left'
         WHEN i.server_start <> pg_postmaster_start_time() THEN
@@ -2211,7 +2218,7 @@ _PG_SCHEMA = (
         WHEN EXISTS (
             SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND l.classid = {_PG_LOCK_SPACE} AND l.objid = i.lock_key
+            AND l.classid = {_PG_LOCK_SPACE} AND l.objid = lock
         ) THEN NULL
         ELSE 'the owner''s session ended (its advisory lock is free)' END
     FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
@@ -2224,14 +2231,16 @@ _PG_FINISH_ATTEMPT = (
     "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ?, "
     "id = nextval(pg_get_serial_sequence('history', 'id')) WHERE job = ? AND slot = ? AND attempt = ?"
 )
-_PG_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock(), owner_gone(owner) FROM runs ORDER BY job, slot"
+_PG_RUNS = (  # owner_pid: the key of the lock its owner held when it took the run
+    f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock(), owner_gone(owner, owner_pid) FROM runs ORDER BY job, slot"
+)
 _PG_JOIN = (
     "INSERT INTO instances (instance, lock_key, server_start, host, pid, started_at) "
     "VALUES (?, ?, pg_postmaster_start_time(), ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET "
     "lock_key = excluded.lock_key, server_start = excluded.server_start, host = excluded.host, "
     "pid = excluded.pid, started_at = excluded.started_at"
 )
-_PG_FORGET_GONE = "DELETE FROM instances WHERE instance != ? AND owner_gone(instance) IS NOT NULL"
+_PG_FORGET_GONE = "DELETE FROM instances WHERE instance != ? AND owner_gone(instance, lock_key) IS NOT NULL"
 _PG_OTHERS = "SELECT count(*) FROM instances WHERE instance != ?"
 _PG_LEAVE = "DELETE FROM instances WHERE instance = ?"
 _PG_NEXT_KEY = "SELECT nextval('lock_keys')"
@@ -2326,8 +2335,9 @@ class _PGTarget:
 
 
 class _PGIdentity:
-    """This process's advisory lock: its key (kept across reconnections) and whether the listening
-    connection holds it now. Shared by the backend's stores and its ``_Changes``."""
+    """This process's advisory lock: its key (a new one for each session: the runs taken under an
+    ended session must look ownerless) and whether the listening connection holds it now. Shared by
+    the backend's stores and its ``_Changes``."""
 
     def __init__(self) -> None:
         self.key: int | None = None
@@ -2355,8 +2365,15 @@ class _PGStore(_SQLStore):
         self._read_only = read_only
         self._busy_timeout = busy_timeout
         self._psycopg = _import_psycopg()
-        self._me = _this_owner("")
         self._conn: Any = None
+
+    def _owner(self) -> _Owner:
+        """The runs this process takes carry the key of the advisory lock it holds now (in
+        ``owner_pid``): a run taken under a session that has ended is judged by that session's lock."""
+        key = self._identity.key
+        if key is None or not self._identity.held.is_set():
+            raise StoreError(self.path, "not connected: this process holds no lock to claim runs under", transient=True)
+        return _Owner("", key, None, None, None)
 
     # -- connection -------------------------------------------------------------------------------
 
@@ -2506,6 +2523,7 @@ class _PGChanges(_Changes):
         self._target, self._identity, self._loop, self._on_change = target, identity, loop, on_change
         self._psycopg = _import_psycopg()
         self._conn: Any = None
+        self._fd = -1
         self._count = 0
         self._lost: str | None = None
         self._closed = threading.Event()
@@ -2567,10 +2585,10 @@ class _PGChanges(_Changes):
         if self._closed.is_set():
             raw.close()
             return
-        self._conn = raw
+        self._conn, self._fd = raw, raw.fileno()  # (a lost connection no longer tells its socket)
         self._identity.held.set()
         self._count += 1
-        self._loop.add_reader(raw.fileno(), self._readable)
+        self._loop.add_reader(self._fd, self._readable)
         self._on_change()
 
     def _readable(self) -> None:
@@ -2593,11 +2611,9 @@ class _PGChanges(_Changes):
 
     def _drop(self) -> None:
         self._identity.held.clear()
+        self._identity.key = None  # the lock went with the session: the next one takes a new key
         if self._conn is not None:
-            try:
-                self._loop.remove_reader(self._conn.fileno())
-            except (ValueError, OSError):
-                pass
+            self._loop.remove_reader(self._fd)
             try:
                 self._conn.close()
             except self._psycopg.Error:
@@ -2806,13 +2822,15 @@ class _Heartbeats(threading.Thread):
     def add(self, attempt: _Attempt) -> None:
         """Start renewing ``attempt`` (call on the event loop's thread)."""
         with self._cond:
-            attempt.valid_until = self._clock.monotonic() + attempt.lease
+            now = self._clock.monotonic()
+            attempt.valid_until = now + attempt.lease
             self._attempts[id(attempt)] = attempt
-            if self._due is None:
-                self._due = self._clock.monotonic() + attempt.renew_every
+            first = now + attempt.renew_every  # (sooner than the next round, if its lease is shorter)
+            self._due = first if self._due is None else min(self._due, first)
             self._cond.notify()
-        if self._loop_timer is None:
-            self._on_loop()
+        if self._loop_timer is not None:
+            self._loop_timer.cancel()
+        self._on_loop()
 
     def stop(self) -> None:
         """Stop renewing (call on the event loop's thread)."""

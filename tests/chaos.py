@@ -134,7 +134,7 @@ def arm_store(directory: str) -> None:
         al._SQLiteStore.checkpoint_write,
     )
 
-    def armed_write(self, work):
+    def armed_write(self, work, *args, **kwargs):
         def inside(conn):
             result = work(conn)
             kind = armed["kind"]
@@ -142,7 +142,7 @@ def arm_store(directory: str) -> None:
                 die()  # after the transaction's writes, before its COMMIT
             return result
 
-        return write(self, inside)
+        return write(self, inside, *args, **kwargs)
 
     def armed_renew_all(self, *args):
         if armed["kind"] == "heartbeat":

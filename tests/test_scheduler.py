@@ -1023,3 +1023,37 @@ def test_two_processes_declaring_one_job_differently_are_told(db, caplog):
         assert len(texts) == 2  # once each, not at every look
 
     run(main())
+
+
+def test_a_short_lease_started_beside_a_long_one_is_renewed_in_time(db):
+    """The next round of renewals is planned for the attempts already running; one with a shorter
+    lease that starts meanwhile must be renewed before its own lease runs out (else the other
+    process, watching, takes it over)."""
+    started = []
+
+    async def main():
+        a, b = make(db, instance="a"), make(db, instance="b")
+        go = asyncio.Event()
+        for s in (a, b):
+
+            @s.every("long", "24h", offset=QUIET, lease="30s")
+            async def long(ctx):
+                await go.wait()
+
+            @s.every("short", "24h", offset=QUIET, lease="500ms")
+            async def short(ctx):
+                started.append((ctx.instance, ctx.attempt))
+                await ctx.signal.sleep(1.5)  # three of its leases
+
+        async with a:
+            await a.trigger("long")
+            await wait_for(lambda: a._attempts, message="the long run")
+            await a.trigger("short")
+            await wait_for(lambda: ("a", 1) in started, message="the short run on a")
+            async with b:
+                await wait_for(lambda: has(a, "short", "succeeded") or has(a, "short", "interrupted"), timeout=15)
+            go.set()
+        assert started == [("a", 1)]
+        assert [r[1:] for r in await statuses(a, "short")] == [(1, "succeeded")]
+
+    run(main())

@@ -1,0 +1,171 @@
+"""What only the PostgreSQL store has: sessions that end under a live process, a server that
+restarts, the schema, and psycopg as an optional import. (Its behaviour as a store is checked by the
+suites that take the ``store`` fixture.)"""
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import QUIET, run, wait_for
+
+import anarchon_lite as al
+from anarchon_lite import LeaseLost, Scheduler, StoreError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_names = iter(range(1, 1_000_000))
+
+
+@pytest.fixture
+def url(pg_server):
+    return pg_server.url(schema=f"p{os.getpid()}_{next(_names)}")
+
+
+def sql(url, statement, args=()):
+    import psycopg
+
+    target = al._PGTarget.parse(url)
+    with psycopg.connect(target.conninfo, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{target.schema}"')
+        cursor = conn.execute(statement, args)
+        return cursor.fetchall() if cursor.description else []
+
+
+def terminate_session_of(url, instance):
+    """End the server session that holds ``instance``'s advisory lock (pg_terminate_backend)."""
+    return sql(
+        url,
+        "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN instances i ON l.objid = i.lock_key "
+        "WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND i.instance = %s",
+        (instance,),
+    )
+
+
+async def statuses(s, job):
+    return [(r.attempt, r.status) for r in reversed(await s.history(job, limit=100))]
+
+
+def test_a_terminated_session_aborts_the_owner_at_once_and_another_process_takes_over(url, caplog):
+    events = []
+
+    async def main():
+        a, b = Scheduler(url, instance="a", poll=0.05), Scheduler(url, instance="b", poll=0.05)
+        for s in (a, b):
+
+            @s.every("work", "24h", offset=QUIET, lease="30s")
+            async def work(ctx):
+                events.append((ctx.instance, ctx.attempt, "start"))
+                try:
+                    await ctx.signal.sleep(60 if ctx.instance == "a" else 0.01)
+                except LeaseLost:
+                    events.append((ctx.instance, ctx.attempt, "lease lost"))
+                    raise
+
+        async with a:
+            await a.trigger("work")
+            await wait_for(lambda: ("a", 1, "start") in events, message="attempt 1 on a")
+            async with b:
+                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                loop = asyncio.get_running_loop()
+                ended = loop.time()
+                assert await loop.run_in_executor(None, terminate_session_of, url, "a") == [(True,)]
+                await wait_for(lambda: ("a", 1, "lease lost") in events, message="a to learn", timeout=5)
+                learned = loop.time() - ended
+                await wait_for(lambda: ("b", 2, "start") in events, message="b to take over", timeout=10)
+                taken = loop.time() - ended
+                await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
+                # a reconnects, locks again and goes on working: the next run goes to whichever claims it
+                await wait_for(lambda: a._ready.is_set() and _identity(a).held.is_set(), message="a back")
+                slot = await a.trigger("work")
+                await wait_for(lambda: any(e[2] == "start" and e[1] == 1 for e in events[3:]), message="next run")
+                assert slot
+        assert learned < 2.0, f"the owner learned of its lost session after {learned:.2f} s"
+        assert taken < 5.0, f"taken over after {taken:.2f} s with a 30 s lease"
+        assert (await statuses(b, "work"))[:2] == [(1, "interrupted"), (2, "succeeded")]
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    assert any("holds this process's lock was lost" in r.getMessage() for r in caplog.records)
+
+
+def _identity(scheduler):
+    return scheduler._backend._identity
+
+
+def _has(s, job, record):
+    async def check():
+        return record in await statuses(s, job)
+
+    return check()
+
+
+def test_a_server_restart_is_survived(url, pg_server, caplog):
+    if pg_server.given:
+        pytest.skip("the server was given ($ANARCHON_TEST_POSTGRES): this test restarts its own")
+    seen = []
+
+    async def main():
+        s = Scheduler(url, instance="a", poll=0.05)
+
+        @s.every("tick", "200ms")
+        async def tick(ctx):
+            seen.append(ctx.slot)
+
+        async with s:
+            await wait_for(lambda: len(seen) >= 2, message="runs before the restart")
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, pg_server.restart)
+            before = len(seen)
+            await wait_for(lambda: len(seen) >= before + 3, timeout=30, message="runs after the restart")
+            assert not s._main.done()
+        assert len(seen) == len(set(seen))
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main(), timeout=90)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("was lost" in m for m in messages), messages[:5]
+
+
+def test_many_processes_creating_the_schema_at_once(url):
+    code = (
+        f"import sys; sys.path.insert(0, {ROOT!r}); import asyncio, anarchon_lite as al; "
+        f"asyncio.run(al.Scheduler({url!r}).status())"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE) for _ in range(6)]
+    try:
+        errors = [p.communicate(timeout=60)[1].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * 6, errors
+    assert sql(url, "SELECT version FROM meta") == [(al.SCHEMA_VERSION,)]
+
+
+def test_a_newer_schema_is_refused_untouched(url):
+    run(Scheduler(url).status())
+    sql(url, "UPDATE meta SET version = 99")
+    with pytest.raises(StoreError, match="newer anarchon_lite .version 99"):
+        run(Scheduler(url).status())
+    assert sql(url, "SELECT version FROM meta") == [(99,)]
+
+
+def test_the_url_password_never_shows_and_a_bad_schema_name_is_refused(pg_server):
+    target = al._PGTarget.parse("postgresql://me:secret@db.example/app?schema=jobs&sslmode=require")
+    assert "secret" not in target.shown and target.schema == "jobs" and "schema" not in target.conninfo
+    assert "sslmode=require" in target.conninfo
+    with pytest.raises(al.ConfigError, match="schema"):
+        Scheduler("postgresql://db.example/app?schema=Robert'); DROP")
+
+
+def test_without_psycopg_the_module_imports_and_a_url_says_what_to_install():
+    code = (
+        f"import sys; sys.path.insert(0, {ROOT!r}); sys.modules['psycopg'] = None; import anarchon_lite as al\n"
+        "try:\n    al.Scheduler('postgresql://localhost/app')\nexcept al.ConfigError as exc:\n    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'anarchon_lite[postgres]'" in done.stdout
