@@ -2823,7 +2823,7 @@ class _Heartbeats(threading.Thread):
         """Start renewing ``attempt`` (call on the event loop's thread)."""
         with self._cond:
             now = self._clock.monotonic()
-            attempt.valid_until = now + attempt.lease
+            attempt.valid_until = time.monotonic() + attempt.lease
             self._attempts[id(attempt)] = attempt
             first = now + attempt.renew_every  # (sooner than the next round, if its lease is shorter)
             self._due = first if self._due is None else min(self._due, first)
@@ -2876,7 +2876,7 @@ class _Heartbeats(threading.Thread):
         if not batch:
             return wait
         owner = batch[0].owner
-        sent = self._clock.monotonic()
+        sent = time.monotonic()
         try:
             lost = store.renew_all(owner, [a.claim for a in batch])
             for attempt in batch:
@@ -2917,15 +2917,16 @@ class _Heartbeats(threading.Thread):
         if self._loop_store is not None:
             wait = self._renew_due(self._loop_store)  # (a round is always due well before an expiry)
         else:
-            wait = None if expiry is None else expiry - self._clock.monotonic()
+            wait = None if expiry is None else expiry - time.monotonic()
         self._loop_timer = (
             None if wait is None else self._loop.call_later(max(wait, 0.0) + self._LOOP_DELAY, self._on_loop)
         )
 
     def _expire(self) -> float | None:
         """Abort the attempts whose lease ran out by this process's clock; return when the next
-        one would (monotonic), or None."""
-        now = self._clock.monotonic()
+        one would (``time.monotonic``), or None. Real elapsed time, not the injected clock's: the
+        clock a store's leases run on is its own (the server's, or a test's by hand)."""
+        now = time.monotonic()
         with self._cond:
             live = [a for a in self._attempts.values() if not a.done]
             for attempt in live:
@@ -3145,8 +3146,8 @@ class _Attempt:
     progress: tuple[float | None, float | None] = (None, None)
     reported: tuple[float | None, float | None] = (None, None)
     done: bool = False
-    #: Until when (monotonic) the lease surely holds, by this process's own clock: a lease's length
-    #: from when the last renewal that succeeded was sent.
+    #: Until when (``time.monotonic``) the lease surely holds, by this process's own clock: a
+    #: lease's length from when the last renewal that succeeded was sent.
     valid_until: float = 0.0
 
 
@@ -4803,7 +4804,11 @@ def _log_level(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
-    parser.add_argument("--db", default=os.environ.get("ANARCHON_DB"), help="the database file (default: $ANARCHON_DB)")
+    parser.add_argument(
+        "--db",
+        default=os.environ.get("ANARCHON_DB"),
+        help="the database file, or a postgresql:// URL (default: $ANARCHON_DB)",
+    )
     parser.add_argument(
         "--log-level", default="INFO", type=_log_level, help="logging level for run and crontab (default: INFO)"
     )
@@ -4849,7 +4854,7 @@ def _command(args: argparse.Namespace) -> int:
         _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0
-    if not os.path.exists(args.db):
+    if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
     scheduler = Scheduler(args.db, read_only=args.command in ("status", "history"))
     if args.command == "status":

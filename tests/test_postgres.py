@@ -169,3 +169,21 @@ def test_without_psycopg_the_module_imports_and_a_url_says_what_to_install():
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "pip install 'anarchon_lite[postgres]'" in done.stdout
+
+
+def test_the_command_line_works_on_a_url(url):
+    async def declare():
+        s = Scheduler(url)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        await s.status()
+
+    run(declare())
+    env = {**os.environ, "ANARCHON_DB": url}
+    command = [sys.executable, "-m", "anarchon_lite"]
+    done = subprocess.run([*command, "trigger", "job"], check=False, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    status = subprocess.run(
+        [*command, "--db", url, "status", "--json"], check=False, capture_output=True, text=True, cwd=ROOT
+    )
+    assert status.returncode == 0, status.stderr
+    assert '"name": "job"' in status.stdout
