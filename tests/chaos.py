@@ -1,6 +1,7 @@
 """Chaos: scheduler processes sharing one file, killed, stopped, frozen and restarted at random.
 
     python tests/chaos.py [--minutes M | --seconds S] [--seed S] [--processes N] [--json PATH]
+                          [--store sqlite|postgresql]
 
 N worker processes (default 3) declare the same three jobs: ``skip`` (every 2 s, overlap skip),
 ``allow`` (every 1 s, overlap allow, runs longer than its interval) and ``thread`` (every 3 s, a
@@ -22,8 +23,16 @@ checks, from the scheduler's file and the target's log:
 - ``PRAGMA integrity_check`` is ``ok`` on both files;
 - no ``database is locked`` reached a handler or a log.
 
+With ``--store postgresql`` the workers share a schema of a PostgreSQL server (a throwaway one,
+tests/pgserver.py, or ``$ANARCHON_TEST_POSTGRES``), each through a TCP proxy of its own
+(tests/tcpproxy.py), and four more kinds of fault join in: ``pg_terminate`` (the server ends the
+session that holds the worker's lock, the worker living on), ``freeze`` (its connections stop
+without FIN or reset for longer than the lease: a partition), ``reset`` (its connections end with a
+TCP reset) and ``pg_restart`` (the whole server restarts, ending every session). The verdict is the
+same, from the schema (no ``integrity_check``: that is SQLite's).
+
 Any violation prints the seed and the events around it. ``tests/test_chaos.py`` runs 45 s with a
-fixed seed in CI.
+fixed seed in CI, on each store.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ JOBS = {  # name: (interval, overlap, seconds between batches, plain function)
     "thread": ("3s", "skip", 0.06, True),
 }
 KINDS = ("kill9", "kill9_transaction", "kill9_heartbeat", "kill9_checkpoint", "sigterm", "sigstop", "restart")
+PG_KINDS = ("pg_terminate", "freeze", "reset", "pg_restart")
 TARGET_SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
     job TEXT NOT NULL, slot INTEGER NOT NULL, id INTEGER NOT NULL,
@@ -67,6 +77,39 @@ CREATE TABLE IF NOT EXISTS log (
     pid INTEGER NOT NULL, kind TEXT NOT NULL, value INTEGER, t REAL NOT NULL
 );
 """
+
+
+###############################################################################
+# The scheduler's state, as the controller reads it: an SQLite file or a PostgreSQL schema
+###############################################################################
+
+
+class State:
+    """Statements on the scheduler's tables (``?`` placeholders), wherever they are."""
+
+    def __init__(self, location: str):
+        self.location = location
+        self.postgres = location.startswith("postgresql://")
+
+    def query(self, sql: str, args=()) -> list:
+        if not self.postgres:
+            conn = sqlite3.connect(self.location, timeout=60, isolation_level=None)
+            try:
+                return conn.execute(sql, args).fetchall()
+            finally:
+                conn.close()
+        import psycopg
+
+        import anarchon_lite as al
+
+        target = al._PGTarget.parse(self.location)
+        with psycopg.connect(target.conninfo, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(f'SET search_path TO "{target.schema}"')
+            cursor = conn.execute(sql.replace("?", "%s"), args)
+            rows = cursor.fetchall() if cursor.description else []
+            if sql.lstrip().upper().startswith("UPDATE"):  # a change the processes must hear of
+                conn.execute("SELECT pg_notify(%s, '')", (f"anarchon_{target.schema}",))
+            return rows
 
 
 ###############################################################################
@@ -112,9 +155,8 @@ class Target:
             raise
 
 
-def arm_store(directory: str) -> None:
-    """Let the controller make this process kill itself inside a store write (SIGUSR2 arms it)."""
-    import anarchon_lite as al
+def arm_store(directory: str, store: type) -> None:
+    """Let the controller make this process kill itself inside a write of ``store`` (SIGUSR2 arms it)."""
 
     armed = {"kind": ""}
     local = threading.local()
@@ -128,11 +170,7 @@ def arm_store(directory: str) -> None:
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    write, renew_all, checkpoint_write = (
-        al._SQLiteStore._write,
-        al._SQLiteStore.renew_all,
-        al._SQLiteStore.checkpoint_write,
-    )
+    write, renew_all, checkpoint_write = store._write, store.renew_all, store.checkpoint_write
 
     def armed_write(self, work, *args, **kwargs):
         def inside(conn):
@@ -156,12 +194,12 @@ def arm_store(directory: str) -> None:
         finally:
             local.checkpoint = False
 
-    al._SQLiteStore._write = armed_write
-    al._SQLiteStore.renew_all = armed_renew_all
-    al._SQLiteStore.checkpoint_write = armed_checkpoint_write
+    store._write = armed_write
+    store.renew_all = armed_renew_all
+    store.checkpoint_write = armed_checkpoint_write
 
 
-def worker(directory: str) -> None:
+def worker(directory: str, location: str) -> None:
     import faulthandler
 
     import anarchon_lite as al
@@ -169,9 +207,9 @@ def worker(directory: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the controller asks a stuck worker where it is
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    arm_store(directory)
+    arm_store(directory, al._PGStore if location.startswith("postgresql://") else al._SQLiteStore)
     target = Target(os.path.join(directory, "target.db"))
-    scheduler = al.Scheduler(os.path.join(directory, "jobs.db"), instance=f"w{os.getpid()}", retention=1_000_000)
+    scheduler = al.Scheduler(location, instance=f"w{os.getpid()}", retention=1_000_000)
 
     def make_async(pause: float):
         async def export(ctx):
@@ -230,18 +268,30 @@ def worker(directory: str) -> None:
 class Workers:
     """The worker processes; every one started is ended and reaped by ``close``."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self, directory: str, location: str, server=None):
+        self.directory, self.location, self.server = directory, location, server
         self.alive: list[subprocess.Popen] = []
         self.all: list[subprocess.Popen] = []
+        self.proxies: dict[int, object] = {}  # pid: the TCP proxy between that worker and the server
 
     def start(self) -> subprocess.Popen:
+        location, proxy = self.location, None
+        if self.server is not None:
+            import urllib.parse
+
+            from tcpproxy import Proxy
+
+            parts = urllib.parse.urlsplit(location)
+            proxy = Proxy((parts.hostname, parts.port))
+            location = urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}"))
         with open(os.path.join(self.directory, f"worker-{len(self.all)}.log"), "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--worker", self.directory],
+                [sys.executable, os.path.abspath(__file__), "--worker", self.directory, location],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
             )
+        if proxy is not None:
+            self.proxies[proc.pid] = proxy
         self.alive.append(proc)
         self.all.append(proc)
         return proc
@@ -257,6 +307,8 @@ class Workers:
                 proc.kill()
         for proc in self.all:
             proc.wait(timeout=30)
+        for proxy in self.proxies.values():
+            proxy.close()
 
 
 def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
@@ -268,15 +320,21 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
 
 
 class Chaos:
-    def __init__(self, directory: str, seed: int, processes: int):
+    def __init__(self, directory: str, seed: int, processes: int, server=None):
+        """``server``: a tests/pgserver.Server to run on (its schema ``chaos``); else an SQLite file."""
         self.directory = directory
-        self.db = os.path.join(directory, "jobs.db")
+        self.server = server
+        self.db = server.url(schema=f"chaos_{os.getpid()}_{seed}") if server else os.path.join(directory, "jobs.db")
+        self.state = State(self.db)
         self.target = os.path.join(directory, "target.db")
         self.rng = random.Random(seed)
         self.seed = seed
         self.processes = processes
-        self.workers = Workers(directory)
-        self.faults = {kind: 0 for kind in KINDS}
+        self.workers = Workers(directory, self.db, server)
+        self.kinds = KINDS + (PG_KINDS if server else ())
+        if server is not None and server.given:
+            self.kinds = tuple(k for k in self.kinds if k != "pg_restart")  # not a server of ours to restart
+        self.faults = {kind: 0 for kind in self.kinds}
         self.aimed_hits = 0  # aimed kills that died where aimed (the rest were plain kill -9)
         self.timeline: list[tuple[float, str, int]] = []
         self.problems: list[str] = []
@@ -297,7 +355,7 @@ class Chaos:
                 time.sleep(self.rng.uniform(0.2, 0.9))
                 self._restart_due()
                 if not kinds:
-                    kinds = self.rng.sample(KINDS, len(KINDS))  # every kind, in a random order
+                    kinds = self.rng.sample(self.kinds, len(self.kinds))  # every kind, in a random order
                 if self.workers.alive:
                     kind = kinds.pop()
                     self._inject(kind, self._victim(kind))
@@ -311,15 +369,12 @@ class Chaos:
     def _victim(self, kind: str) -> subprocess.Popen:
         """A random live worker; for a kill aimed at a heartbeat or a checkpoint, one running a job."""
         candidates = self.workers.alive
-        if kind in ("kill9_heartbeat", "kill9_checkpoint"):
-            conn = sqlite3.connect(self.db, timeout=10)
+        if kind in ("kill9_heartbeat", "kill9_checkpoint", "pg_terminate", "freeze"):
             try:
-                owners = {pid for (pid,) in conn.execute("SELECT owner_pid FROM runs WHERE state = 'running'")}
-            except sqlite3.OperationalError:
+                owners = {owner for (owner,) in self.state.query("SELECT owner FROM runs WHERE state = 'running'")}
+            except Exception:  # noqa: BLE001 - no file or schema yet, or the server restarting
                 owners = set()
-            finally:
-                conn.close()
-            candidates = [p for p in candidates if p.pid in owners] or candidates
+            candidates = [p for p in candidates if f"w{p.pid}" in owners] or candidates
         return self.rng.choice(sorted(candidates, key=lambda p: p.pid))
 
     def _ready(self, proc: subprocess.Popen) -> bool:
@@ -370,6 +425,22 @@ class Chaos:
             proc.send_signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(1.5, 3.0) * LEASE)  # frozen past its lease
             proc.send_signal(signal.SIGCONT)
+        elif kind == "pg_terminate":  # the session that holds the worker's lock ends; the worker lives on
+            with contextlib.suppress(Exception):
+                self.state.query(
+                    "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN instances i ON l.objid = i.lock_key "
+                    "WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND i.instance = ?",
+                    (f"w{proc.pid}",),
+                )
+        elif kind == "freeze":  # a partition: nothing passes, nothing is closed, for longer than the lease
+            proxy = self.workers.proxies[proc.pid]
+            proxy.freeze()
+            time.sleep(self.rng.uniform(1.5, 3.0) * LEASE)
+            proxy.thaw()
+        elif kind == "reset":
+            self.workers.proxies[proc.pid].reset()
+        elif kind == "pg_restart":
+            self.server.restart()
 
     def _stuck(self, proc: subprocess.Popen) -> None:
         """A worker that did not stop within 20 s of SIGTERM: a violation, with its threads' stacks."""
@@ -390,25 +461,21 @@ class Chaos:
         self.restart_at.clear()
         while len(self.workers.alive) < self.processes:
             self.workers.start()
-        conn = sqlite3.connect(self.db, timeout=60, isolation_level=None)
-        try:
-            deadline = time.monotonic() + 10
-            while True:  # the jobs exist in the file once a worker has started
-                with contextlib.suppress(sqlite3.OperationalError):
-                    if conn.execute("SELECT count(*) FROM jobs").fetchone()[0] == len(JOBS):
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the workers did not start")
-                time.sleep(0.05)
-            conn.execute("UPDATE jobs SET paused = 1")
-            deadline = time.monotonic() + 90
-            while conn.execute("SELECT count(*) FROM runs").fetchone()[0]:
-                if time.monotonic() > deadline:
-                    self.problems.append("runs still unfinished 90 s after the faults stopped")
+        deadline = time.monotonic() + 30
+        while True:  # the jobs exist in the file once a worker has started
+            with contextlib.suppress(Exception):
+                if self.state.query("SELECT count(*) FROM jobs")[0][0] == len(JOBS):
                     break
-                time.sleep(0.1)
-        finally:
-            conn.close()
+            if time.monotonic() > deadline:
+                raise RuntimeError("the workers did not start")
+            time.sleep(0.05)
+        self.state.query("UPDATE jobs SET paused = 1")
+        deadline = time.monotonic() + 90
+        while self.state.query("SELECT count(*) FROM runs")[0][0]:
+            if time.monotonic() > deadline:
+                self.problems.append("runs still unfinished 90 s after the faults stopped")
+                break
+            time.sleep(0.1)
         for proc in list(self.workers.alive):
             proc.send_signal(signal.SIGTERM)
         for proc in list(self.workers.alive):
@@ -419,22 +486,25 @@ class Chaos:
 
     def check(self) -> dict:
         violations = list(self.problems)
-        db = sqlite3.connect(self.db)
+        history = self.state.query("SELECT job, slot, attempt, status, error FROM history ORDER BY id")
+        points = {
+            (j, s): (v, a) for j, s, v, a in self.state.query("SELECT job, slot, value, attempt FROM checkpoints")
+        }
+        if not self.state.postgres:
+            verdict = self.state.query("PRAGMA integrity_check")[0][0]
+            if verdict != "ok":
+                violations.append(f"integrity_check of jobs.db: {verdict}")
         target = sqlite3.connect(self.target)
         try:
-            history = db.execute("SELECT job, slot, attempt, status, error FROM history ORDER BY id").fetchall()
-            points = {(j, s): (v, a) for j, s, v, a in db.execute("SELECT job, slot, value, attempt FROM checkpoints")}
             log = target.execute("SELECT seq, job, slot, attempt, pid, kind, value, t FROM log ORDER BY seq").fetchall()
             rows = target.execute(
                 "SELECT job, slot, count(*), count(DISTINCT id), min(id), max(id), sum(writes) "
                 "FROM rows GROUP BY job, slot"
             ).fetchall()
-            for name, conn in (("jobs.db", db), ("target.db", target)):
-                verdict = conn.execute("PRAGMA integrity_check").fetchone()[0]
-                if verdict != "ok":
-                    violations.append(f"integrity_check of {name}: {verdict}")
+            verdict = target.execute("PRAGMA integrity_check").fetchone()[0]
+            if verdict != "ok":
+                violations.append(f"integrity_check of target.db: {verdict}")
         finally:
-            db.close()
             target.close()
 
         by_slot: dict[tuple[str, int], list] = {}
@@ -526,7 +596,7 @@ class Chaos:
 def describe(report: dict) -> str:
     """The summary, and for each violation the seed and the events around it."""
     lines = [
-        f"seed {report['seed']}, {report['seconds']:.0f} s, {report['processes']} processes",
+        f"seed {report['seed']}, {report['seconds']:.0f} s, {report['processes']} processes on {report['store']}",
         "faults: "
         + ", ".join(f"{k} {v}" for k, v in report["faults"].items())
         + f" (aimed kills that hit: {report['aimed_kills_that_hit']})",
@@ -555,30 +625,47 @@ def describe(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run(directory: str, seconds: float, seed: int, processes: int = 3) -> dict:
-    return Chaos(directory, seed, processes).run(seconds)
+def run(directory: str, seconds: float, seed: int, processes: int = 3, store: str = "sqlite", server=None) -> dict:
+    """One chaos run; on ``store="postgresql"``, on ``server`` (a tests/pgserver.Server) or a
+    throwaway server of its own."""
+    if store == "sqlite":
+        report = Chaos(directory, seed, processes).run(seconds)
+    elif server is not None:
+        report = Chaos(directory, seed, processes, server).run(seconds)
+    else:
+        import pgserver
+
+        server = pgserver.Server.start()
+        try:
+            report = Chaos(directory, seed, processes, server).run(seconds)
+        finally:
+            server.stop()
+    report["store"] = store
+    return report
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("location", nargs="?", help=argparse.SUPPRESS)  # (a worker's database)
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--minutes", type=float)
     length.add_argument("--seconds", type=float)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--json", metavar="PATH", help="write the summary (without the event log) here")
     parser.add_argument("--keep", metavar="DIR", help="run in DIR and keep its files")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker)
+        worker(args.worker, args.location)
         return 0
     seconds = args.seconds if args.seconds else (args.minutes or 1.0) * 60
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     with contextlib.ExitStack() as stack:
         directory = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="anarchon-chaos-"))
         os.makedirs(directory, exist_ok=True)
-        report = run(directory, seconds, seed, args.processes)
+        report = run(directory, seconds, seed, args.processes, args.store)
     print(describe(report))
     if args.json:
         summary = {k: v for k, v in report.items() if k not in ("log", "timeline")}

@@ -90,8 +90,9 @@ class Processes:
     def __init__(self, db, events, isolated=False):
         self.db, self.events, self.procs, self.isolated = db, events, [], isolated
 
-    def start(self, mode, lease=30.0):
-        args = [sys.executable, WORKER, self.db, self.events, mode, str(lease)]
+    def start(self, mode, lease=30.0, prefix=()):
+        """Start a worker (``prefix``: a command it runs under, such as ``faketime``)."""
+        args = [*prefix, sys.executable, WORKER, self.db, self.events, mode, str(lease)]
         if self.isolated:
             pid_file = f"{self.events}.pid{len(self.procs)}"
             proc = Isolated(args, pid_file)

@@ -3,10 +3,14 @@ restarts, the schema, and psycopg as an optional import. (Its behaviour as a sto
 suites that take the ``store`` fixture.)"""
 
 import asyncio
+import glob
+import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import QUIET, run, wait_for
@@ -187,3 +191,103 @@ def test_the_command_line_works_on_a_url(url):
     )
     assert status.returncode == 0, status.stderr
     assert '"name": "job"' in status.stdout
+
+
+def via_proxy(url, proxy):
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}"))
+
+
+def test_a_partitioned_owner_loses_its_run_after_the_lease_and_its_writes_are_refused(url, pg_server):
+    """The owner's connections freeze (no FIN, no reset): its lock stays held, so its lease decides.
+    It aborts its attempt by its own clock; the other process takes the run over once the lease has
+    run out on the server's clock; the writes the owner sent into the partition are refused."""
+    import urllib.parse
+
+    from tcpproxy import Proxy
+
+    server = urllib.parse.urlsplit(url)
+    proxy = Proxy((server.hostname, server.port))
+    events = []
+
+    async def main():
+        a = Scheduler(via_proxy(url, proxy), instance="a", poll=0.05)
+        b = Scheduler(url, instance="b", poll=0.05)
+        for s in (a, b):
+
+            @s.every("work", "24h", offset=QUIET, lease="2s")
+            async def work(ctx):
+                events.append((ctx.instance, ctx.attempt, "start"))
+                n = 0
+                while ctx.instance == "a" or n < 3:
+                    n += 1
+                    await ctx.checkpoint.set({"by": ctx.instance, "n": n})
+                    await asyncio.sleep(0.05)
+
+        loop = asyncio.get_running_loop()
+        async with a:
+            await a.trigger("work")
+            await wait_for(lambda: ("a", 1, "start") in events, message="attempt 1 on a")
+            async with b:
+                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                proxy.freeze()
+                frozen = loop.time()
+                await wait_for(lambda: ("b", 2, "start") in events, timeout=15, message="b to take over")
+                taken = loop.time() - frozen
+                await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
+                aborted = a._attempts and next(iter(a._attempts.values())).token.reason
+                proxy.thaw()
+                await wait_for(lambda: not a._attempts, timeout=30, message="a's attempt to end")
+        assert isinstance(aborted, LeaseLost), aborted  # by a's own clock, inside the partition
+        assert 1.0 < taken < 2.0 + 1.5, f"taken over {taken:.2f} s after the partition (lease 2 s)"
+        [(value, by)] = sql(url, "SELECT value, attempt FROM checkpoints")
+        assert (json.loads(value), by) == ({"by": "b", "n": 3}, 2)  # none of a's later writes landed
+        assert (await statuses(b, "work"))[:2] == [(1, "interrupted"), (2, "succeeded")]
+
+    try:
+        run(main(), timeout=90)
+    finally:
+        proxy.close()
+
+
+# libfaketime itself (the faketime wrapper names a semaphore by pid, which collides across pid namespaces)
+FAKETIME = next(iter(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")), None)
+
+
+@pytest.mark.skipif(
+    FAKETIME is None and not os.environ.get("ANARCHON_REQUIRE_POSTGRES"), reason="no libfaketime (apt install faketime)"
+)
+def test_hosts_whose_clocks_are_an_hour_apart_agree_on_leases(url, tmp_path):
+    """Two of three workers run with their clocks an hour ahead (faketime), each in a pid namespace
+    of its own. The owner is one of them; while it renews, nobody takes its run over, though one
+    watcher's clock is an hour behind it; frozen (SIGSTOP) past its 1 s lease, it is taken over at once
+    by the server's clock. Leases stamped on the owner's clock would take an hour."""
+    from test_multiprocess import Processes
+
+    assert FAKETIME, "libfaketime is required (apt install faketime)"
+    # The wall clock an hour ahead; the monotonic clock left alone, as on a real host (faking it too
+    # makes libfaketime stretch every timed wait of the process by the offset).
+    ahead = ["env", f"LD_PRELOAD={FAKETIME}", "FAKETIME=+1h", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+    procs = Processes(url, str(tmp_path / "events.jsonl"), isolated=True)
+    try:
+        owner = procs.start("export", 1.0, prefix=ahead)
+        procs.wait(lambda e: e["event"] == "ready" and e["pid"] == owner.pid, what="the owner ready")
+        trigger = run(Scheduler(url).trigger("export"))
+        procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 1, what="attempt 1")
+        watchers = [procs.start("export", 1.0), procs.start("export", 1.0, prefix=ahead)]
+        for w in watchers:
+            procs.wait(lambda e, w=w: e["event"] == "ready" and e["pid"] == w.pid, what="a watcher ready")
+        held = procs.wait(lambda e: e["event"] == "saved" and e["after"] >= 25, what="3 leases' progress")
+        early = [e for e in procs.read() if e["event"] == "start" and e["attempt"] > 1]
+        assert early == [], [(r.attempt, r.status, r.error) for r in run(Scheduler(url).history("export"))]
+        owner.send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        second = procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 2, what="takeover")
+        owner.send_signal(signal.SIGCONT)
+        assert second["pid"] != owner.pid and held["pid"] == owner.pid and second["slot"] == trigger
+        assert second["t"] - stopped < 1.0 + 1.5, f"taken over {second['t'] - stopped:.2f} s after the freeze"
+        procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
+    finally:
+        procs.close()
