@@ -3438,6 +3438,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._signal_tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[None] | None = None
+        self._serving = False  #: between the start and the end of ``_serve``: the store thread stays
         self._stopping = False
         self._stop_grace = 10.0
         self._hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
@@ -3561,7 +3562,12 @@ class Scheduler:
             for row in await thread.call(lambda s: s.register(jobs)):
                 self._disagree(row, "now holds this one's")
             self._registered = True
-        return await thread.call(work)
+        try:
+            return await thread.call(work)
+        finally:
+            if not self._serving:  # not running: no thread or connection outlives the call
+                thread.close()
+                self._store_thread = None
 
     def _disagree(self, row: _JobRow, outcome: str) -> None:
         """Warn, once per definition, that another process declares a job of ours differently."""
@@ -3733,6 +3739,7 @@ class Scheduler:
         self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
         self._timers.start()
         self._heartbeats.start()
+        self._serving = True
         try:
             await self._join_first(loop_state)
             self._poked = False
@@ -3764,6 +3771,7 @@ class Scheduler:
                 self._store_thread.close()
                 self._store_thread = None
             self._registered = False
+            self._serving = False
 
     async def _join_first(self, state: _LoopState) -> None:
         """Join the group; the first process of a group runs the jobs declared to run on start. A

@@ -123,9 +123,9 @@ def declare(scheduler: Scheduler) -> None:
         def two_threads(ctx):
             emit("work", iterations=_spin.two_threads(duration))
 
-    elif mode == "export":  # takeover and hand-over: a long job with a 30 s lease
+    elif mode in ("export", "export_5s"):  # takeover and hand-over: a long job with a 30 s (5 s) lease
 
-        @scheduler.every("export", "24h", lease="30s")
+        @scheduler.every("export", "24h", lease="5s" if mode == "export_5s" else "30s")
         async def export(ctx):
             await started(ctx)
             await ctx.signal.sleep(3600)

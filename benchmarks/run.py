@@ -1,8 +1,11 @@
-"""anarchon_lite benchmarks: ``python benchmarks/run.py [--quick] [--json PATH] [--plot PATH]``.
+"""anarchon_lite benchmarks: ``python benchmarks/run.py [--quick] [--json PATH] [--plot PATH] [--store S]``.
 
 Measures heartbeat lateness under seven kinds of load, takeover after ``kill -9`` and hand-over
 after SIGTERM, how late runs start, the cost of an idle scheduler, and the same small workloads on
 APScheduler 3 and 4 side by side. Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
+With ``--store postgresql`` every scheduler shares a throwaway PostgreSQL server (tests/pgserver.py,
+or ``$ANARCHON_TEST_POSTGRES``) instead of an SQLite file, and the takeover of an owner whose
+connections freeze (a partition, through tests/tcpproxy.py) is measured too.
 """
 
 from __future__ import annotations
@@ -32,6 +35,34 @@ from _spin import two_threads
 from anarchon_lite import Scheduler
 
 WORKER = os.path.join(HERE, "_worker.py")
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # pgserver, tcpproxy
+STORE: dict[str, Any] = {"server": None, "schemas": 0}  # --store postgresql: the server
+
+
+def location(folder: str) -> str:
+    """Where a scenario's schedulers keep their state: a file in ``folder``, or a fresh schema."""
+    server = STORE["server"]
+    if server is None:
+        return os.path.join(folder, "jobs.db")
+    STORE["schemas"] += 1
+    return str(server.url(schema=f"bench_{os.getpid()}_{STORE['schemas']}"))
+
+
+def query(db: str, sql: str) -> list[Any]:
+    """The rows of one statement on the scheduler's tables, wherever they are."""
+    if not db.startswith("postgresql://"):
+        with sqlite3.connect(db) as conn:
+            return conn.execute(sql).fetchall()
+    import psycopg
+
+    import anarchon_lite as al
+
+    target = al._PGTarget.parse(db)
+    with psycopg.connect(target.conninfo, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{target.schema}"')
+        return conn.execute(sql).fetchall()
+
+
 MODES = ["idle", "chunks", "thread", "process", "blocking", "busy_cores", "contended"]
 # the heartbeat thread lowers the GIL switch interval to 0.5 ms around its rounds; these never do
 MODES_5MS = ["thread_5ms", "blocking_5ms", "busy_cores_5ms"]
@@ -52,12 +83,13 @@ class Fleet:
 
     def __init__(self, scenario: str, folder: str, *args: str):
         self.scenario, self.args = scenario, args
-        self.db, self.out = os.path.join(folder, "jobs.db"), os.path.join(folder, "events.jsonl")
+        self.db, self.out = location(folder), os.path.join(folder, "events.jsonl")
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, count: int = 1) -> list[subprocess.Popen[bytes]]:
+    def start(self, count: int = 1, db: str | None = None) -> list[subprocess.Popen[bytes]]:
+        """Start ``count`` workers on the fleet's database (or ``db``: the same one by another way)."""
         new = [
-            subprocess.Popen([sys.executable, WORKER, self.scenario, self.db, self.out, *self.args])
+            subprocess.Popen([sys.executable, WORKER, self.scenario, db or self.db, self.out, *self.args])
             for _ in range(count)
         ]
         self.procs += new
@@ -108,8 +140,7 @@ class Fleet:
 
 def takeovers(db: str) -> int:
     """Attempts after the first: each one is a run taken over from a live owner in these runs."""
-    with sqlite3.connect(db) as conn:
-        return int(conn.execute("SELECT count(*) FROM history WHERE attempt > 1").fetchone()[0])
+    return int(query(db, "SELECT count(*) FROM history WHERE attempt > 1")[0][0])
 
 
 def heartbeat(mode: str, seconds: float) -> dict[str, Any]:
@@ -198,6 +229,36 @@ def takeover(trials: int, graceful: bool) -> dict[str, Any]:
     return {"p50": statistics.median(times), "max": max(times), "n": len(times), "samples_s": times}
 
 
+def frozen_takeover(trials: int) -> dict[str, Any]:
+    """PostgreSQL: the owner's connections freeze (no FIN, no reset: a partition); its lock stays
+    held, so its lease (5 s) decides. Seconds from the freeze to attempt 2's start."""
+    import urllib.parse
+
+    from tcpproxy import Proxy
+
+    times = []
+    for _ in range(trials):
+        with tempfile.TemporaryDirectory() as folder, Fleet("export_5s", folder) as fleet:
+            parts = urllib.parse.urlsplit(fleet.db)
+            proxy = Proxy((parts.hostname, parts.port))
+            try:
+                via = urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}"))
+                fleet.start(1, db=via)
+                fleet.trigger("export")
+                fleet.wait(lambda e: e["event"] == "start" and e["attempt"] == 1)
+                fleet.start(1)
+                time.sleep(1.0)
+                proxy.freeze()
+                frozen = time.time()
+                second = fleet.wait(lambda e: e["event"] == "start" and e["attempt"] == 2)
+                times.append(second["t"] - frozen)
+                proxy.thaw()
+                fleet.stop()
+            finally:
+                proxy.close()
+    return {"p50": statistics.median(times), "max": max(times), "n": len(times), "lease_s": 5.0, "samples_s": times}
+
+
 def start_lateness(processes: int, seconds: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder, Fleet("every", folder) as fleet:
         fleet.start(processes)
@@ -236,13 +297,20 @@ class IdleProbe:
     def __init__(self) -> None:
         self.folder = tempfile.TemporaryDirectory()
         self.fleet = Fleet("idle_cost", self.folder.name)
+        server = STORE["server"]
+        if server is not None:  # a database of its own, so that its statistics count only this process
+            self.stats = PostgresActivity(server)
+            self.fleet.db = str(server.url(self.stats.database, schema="idle"))
         self.fleet.start(1)
         time.sleep(1.0)
         self.pid = self.fleet.procs[0].pid
         self.begin = time.monotonic()
         self.cpu0, self.switches0, _ = proc_stats(self.pid)
-        self.conn = sqlite3.connect(self.fleet.db)
-        self.version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        if server is None:
+            self.conn = sqlite3.connect(self.fleet.db)
+            self.version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        else:
+            self.activity = self.stats.read()
 
     def result(self, minimum: float) -> dict[str, Any]:
         remaining = minimum - (time.monotonic() - self.begin)
@@ -250,8 +318,14 @@ class IdleProbe:
             time.sleep(remaining)
         elapsed = time.monotonic() - self.begin
         cpu, switches, rss = proc_stats(self.pid)
-        writes = int(self.conn.execute("PRAGMA data_version").fetchone()[0] != self.version)
-        self.conn.close()
+        extra: dict[str, Any] = {}
+        if STORE["server"] is None:
+            writes = int(self.conn.execute("PRAGMA data_version").fetchone()[0] != self.version)
+            self.conn.close()
+        else:
+            transactions, rows = (now - then for now, then in zip(self.stats.read(), self.activity))
+            writes = rows
+            extra = {"queries_per_hour": transactions / (elapsed / 3600)}
         self.fleet.stop()
         self.fleet.__exit__()
         self.folder.cleanup()
@@ -263,7 +337,34 @@ class IdleProbe:
             "rss_mb": rss,
             "db_writes_per_hour": writes / hours,
             "seconds": elapsed,
+            **extra,
         }
+
+
+class PostgresActivity:
+    """The transactions and the rows written in one database of the server, from its statistics
+    (read from another database, so that reading them counts nothing)."""
+
+    def __init__(self, server: Any):
+        import psycopg
+
+        self.database = f"idle_{os.getpid()}"
+        self._url = server.url()
+        with psycopg.connect(self._url, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {self.database}")
+
+    def read(self) -> tuple[int, int]:
+        import psycopg
+
+        with psycopg.connect(self._url, autocommit=True) as conn:
+            conn.execute("SELECT pg_stat_force_next_flush()")
+            time.sleep(1.5)  # other backends flush their counters at least once a second when active
+            row = conn.execute(
+                "SELECT xact_commit + xact_rollback, tup_inserted + tup_updated + tup_deleted "
+                "FROM pg_stat_database WHERE datname = %s",
+                (self.database,),
+            ).fetchone()
+        return int(row[0]), int(row[1])
 
 
 def switch_cost(seconds: float) -> dict[str, Any]:
@@ -309,7 +410,11 @@ def switch_cost(seconds: float) -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
+    server = STORE["server"]
     return {
+        "store": "sqlite"
+        if server is None
+        else "postgresql " + str(query(server.url(schema="public"), "SHOW server_version")[0][0]),
         "python": platform.python_version(),
         "sqlite": sqlite3.sqlite_version,
         "cores": os.cpu_count(),
@@ -324,7 +429,20 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--plot", help="draw a PNG to this file")
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
+    parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     args = parser.parse_args()
+    if args.store == "postgresql":
+        import pgserver
+
+        STORE["server"] = pgserver.Server.start()
+    try:
+        return measure(args)
+    finally:
+        if STORE["server"] is not None:
+            STORE["server"].stop()
+
+
+def measure(args: argparse.Namespace) -> int:
     quick = args.quick
     results: dict[str, Any] = {"machine": machine()}
     idle = IdleProbe()
@@ -336,13 +454,15 @@ def main() -> int:
     results["heartbeat"] = heartbeats(plan, seconds)
     trials = 5 if quick else 10
     results["takeover"] = {"kill9_s": takeover(trials, False), "handover_s": takeover(trials, True)}
+    if STORE["server"] is not None:
+        results["takeover"]["frozen_connection_s"] = frozen_takeover(3 if quick else 5)
     print("takeover: done", flush=True)
     span = 20.0 if quick else 30.0  # the four-process run is the peers' workload: the same span as theirs
     results["start_lateness_ms"] = {"single": start_lateness(1, span / 2), "four_processes": start_lateness(4, span)}
     print("start lateness: done", flush=True)
     results["idle"] = idle.result(60.0 if quick else 600.0)
     results["switch_interval_cost"] = switch_cost(2.0 if quick else 5.0)
-    if not args.no_peers:
+    if not args.no_peers and STORE["server"] is None:  # (APScheduler on PostgreSQL: not yet measured)
         from peers import run_peers
 
         results["peers"] = run_peers(results, quick)
@@ -359,7 +479,7 @@ def main() -> int:
 
 def report(results: dict[str, Any]) -> None:
     m = results["machine"]
-    print(f"\nanarchon_lite benchmarks, {m['date']}, Python {m['python']}, SQLite {m['sqlite']}, {m['cores']} cores")
+    print(f"\nanarchon_lite benchmarks on {m['store']}, {m['date']}, Python {m['python']}, {m['cores']} cores")
     print("\nheartbeat lateness (lease 1 s); p50 and p99 are medians over the repetitions")
     print(f"{'mode':<16}{'renewals':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}{'lost':>6}  p99 of each repetition")
     for mode, r in results["heartbeat"].items():
@@ -374,6 +494,11 @@ def report(results: dict[str, Any]) -> None:
     print(
         f"hand-over after SIGTERM:             p50 {t['handover_s']['p50']:.3f} s, max {t['handover_s']['max']:.3f} s, n {t['handover_s']['n']}"
     )
+    if "frozen_connection_s" in t:
+        f = t["frozen_connection_s"]
+        print(
+            f"takeover after a partition (lease {f['lease_s']:.0f} s): p50 {f['p50']:.3f} s, max {f['max']:.3f} s, n {f['n']}"
+        )
     s = results["start_lateness_ms"]
     for key, r in s.items():
         print(
@@ -384,6 +509,7 @@ def report(results: dict[str, Any]) -> None:
     print(
         f"idle (10 hourly jobs, {i['seconds']:.0f} s): {i['wakeups_per_min']:.1f} wake-ups/min, "
         f"{cpu} CPU s/hour, {i['rss_mb']:.1f} MB RSS, {i['db_writes_per_hour']:.0f} db writes/hour"
+        + (f", {i['queries_per_hour']:.0f} queries/hour" if "queries_per_hour" in i else "")
     )
     c = results["switch_interval_cost"]
     print(

@@ -71,7 +71,14 @@ class Server:
         server = cls(given)
         if not given:
             server._init()
-            server._run()
+            for tries in range(3):  # another session may take the free port first
+                try:
+                    server._run()
+                    break
+                except (subprocess.CalledProcessError, RuntimeError):
+                    if tries == 2:
+                        raise
+                    server.port = _free_port()
         return server
 
     def url(self, database: str = "postgres", **query: str) -> str:

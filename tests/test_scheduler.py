@@ -1057,3 +1057,22 @@ def test_a_short_lease_started_beside_a_long_one_is_renewed_in_time(db):
         assert [r[1:] for r in await statuses(a, "short")] == [(1, "succeeded")]
 
     run(main())
+
+
+def test_calls_outside_a_run_leave_no_thread_or_connection_behind(db):
+    """A web app that asks ``status()`` of a new ``Scheduler`` on every request must not leak a
+    thread and a database connection per call."""
+
+    async def main():
+        s = make(db)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        await s.trigger("job")
+        for _ in range(5):
+            await make(db).history()
+            await make(db).status()
+        await wait_for(
+            lambda: not [t for t in threading.enumerate() if t.name.startswith("anarchon-store")],
+            message="the store threads to end",
+        )
+
+    run(main())
