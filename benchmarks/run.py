@@ -302,7 +302,8 @@ class IdleProbe:
             self.stats = PostgresActivity(server)
             self.fleet.db = str(server.url(self.stats.database, schema="idle"))
         self.fleet.start(1)
-        time.sleep(1.0)
+        # (a PostgreSQL backend left idle reports its counters within 10 s: those of the start-up)
+        time.sleep(1.0 if server is None else 11.0)
         self.pid = self.fleet.procs[0].pid
         self.begin = time.monotonic()
         self.cpu0, self.switches0, _ = proc_stats(self.pid)
