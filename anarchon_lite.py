@@ -1302,9 +1302,11 @@ class _SQLStore(_Store):
         """This process, as the owner of the runs it takes (what tells whether it still exists)."""
 
     @abc.abstractmethod
-    def _write(self, work: Callable[[Any], T], notify: bool = True) -> T:
+    def _write(self, work: Callable[[Any], T], notify: bool = True, again: bool = True) -> T:
         """Run ``work(conn)`` in one transaction; roll back on any error. ``notify``: tell the other
-        processes when it commits (a checkpoint needs no one's attention)."""
+        processes when it commits (a checkpoint needs no one's attention). ``again``: the
+        transaction may be run a second time when its commit may have been lost with the connection
+        (not a trigger: it would record a second run)."""
 
     @abc.abstractmethod
     def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
@@ -1482,7 +1484,7 @@ class _SQLStore(_Store):
             conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
             return slot
 
-        return self._write(work)
+        return self._write(work, again=False)
 
     def cancel(self, job: str, now_ms: int) -> int:
         def work(conn: Any) -> int:
@@ -1918,7 +1920,7 @@ class _SQLiteStore(_SQLStore):
             self._conn.close()
             self._conn = None
 
-    def _write(self, work: Callable[[sqlite3.Connection], T], notify: bool = True) -> T:
+    def _write(self, work: Callable[[sqlite3.Connection], T], notify: bool = True, again: bool = True) -> T:
         """Run ``work`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any error. (Every
         commit wakes the other processes: it writes the -wal file that they watch.)"""
         conn = self._connect()
@@ -2265,6 +2267,7 @@ _PG_SCHEMA = (
     $$""",
 )
 _PG_COMEBACK = 60  # seconds
+_PG_RECONNECT = 5.0  # seconds a call waits for a lost connection to be made again (a fast restart takes 1-2)
 _PG_VERSION = "SELECT version FROM meta"
 _PG_SCHEMA_EXISTS = "SELECT to_regclass(?) IS NOT NULL"
 _PG_FINISH_ATTEMPT = (
@@ -2462,33 +2465,60 @@ class _PGStore(_SQLStore):
             self.close()
         return self._error(exc)
 
-    def _write(self, work: Callable[[Any], T], notify: bool = True) -> T:
+    def _write(self, work: Callable[[Any], T], notify: bool = True, again: bool = True) -> T:
         """Run ``work(conn)`` in one SERIALIZABLE transaction, again while it races another (up to
-        ``busy_timeout``); notify the other processes when it commits."""
-        deadline = time.monotonic() + self._busy_timeout
-        pause = 0.001
-        while True:
-            raw = self._connect()
-            try:
-                with raw.transaction():
-                    raw.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-                    result = work(_PGConnection(raw))
-                    if notify:
-                        raw.execute("SELECT pg_notify(%s, '')", (_pg_channel(self._target),))
-                return result
-            except self._psycopg.Error as exc:
-                if getattr(exc, "sqlstate", None) in _PG_RETRY and time.monotonic() < deadline:
+        ``busy_timeout``) or, if ``again``, when its connection is lost (``_reconnecting``); notify
+        the other processes when it commits."""
+
+        def transaction(raw: Any) -> T:
+            deadline = time.monotonic() + self._busy_timeout
+            pause = 0.001
+            while True:
+                try:
+                    with raw.transaction():
+                        raw.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+                        result = work(_PGConnection(raw))
+                        if notify:
+                            raw.execute("SELECT pg_notify(%s, '')", (_pg_channel(self._target),))
+                    return result
+                except self._psycopg.Error as exc:
+                    if getattr(exc, "sqlstate", None) not in _PG_RETRY or time.monotonic() > deadline:
+                        raise
                     time.sleep(pause * random.random())
                     pause = min(pause * 2, 0.1)
-                    continue
-                raise self._failed(exc) from None
 
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        if again:
+            return self._reconnecting(transaction)
         raw = self._connect()
         try:
-            return list(raw.execute(_pg_sql(sql), args).fetchall())
+            return transaction(raw)
         except self._psycopg.Error as exc:
             raise self._failed(exc) from None
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        return self._reconnecting(lambda raw: list(raw.execute(_pg_sql(sql), args).fetchall()))
+
+    def _reconnecting(self, call: Callable[[Any], T]) -> T:
+        """``call(connection)``; when the connection is lost (a server restart, a terminated
+        session, a reset), on a new one, for up to ``_PG_RECONNECT`` seconds. Every transaction here
+        may run twice: a claim or an end whose commit was lost with the connection finds, the second
+        time, that it was done (the watermark moved, the fence no longer holds) and does nothing."""
+        deadline = time.monotonic() + _PG_RECONNECT
+        pause = 0.05
+        while True:
+            try:
+                return call(self._connect())
+            except StoreError as exc:  # (from _connect: no connection to be had)
+                if not exc.transient or time.monotonic() > deadline:
+                    raise
+            except self._psycopg.Error as exc:
+                error = self._failed(exc)
+                if (
+                    self._conn is not None or time.monotonic() > deadline
+                ):  # the connection is fine: the statement failed
+                    raise error from None
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
         """One libpq call, which lets go of the GIL while it waits for the server: the heartbeat's

@@ -292,3 +292,42 @@ def test_hosts_whose_clocks_are_an_hour_apart_agree_on_leases(url, tmp_path):
         procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
     finally:
         procs.close()
+
+
+def test_a_handler_does_not_fail_when_its_store_connection_is_lost(url):
+    """The server ends the sessions a process uses for its store and its renewals (not the one that
+    holds its lock): the handler's checkpoint calls go on, on new connections; the attempt succeeds."""
+    saved = []
+
+    async def main():
+        s = Scheduler(url, instance="a", poll=0.05)
+
+        @s.every("work", "24h", offset=QUIET, lease="5s")
+        async def work(ctx):
+            for n in range(60):
+                await ctx.checkpoint.set(n)
+                saved.append(await ctx.checkpoint.get())
+                await asyncio.sleep(0.02)
+
+        async with s:
+            await s.trigger("work")
+            loop = asyncio.get_running_loop()
+            for round_ in range(3):
+                await wait_for(lambda round_=round_: len(saved) > 10 + 15 * round_, message="progress")
+                ended = await loop.run_in_executor(None, terminate_all_but_the_lock, url)
+                assert ended, "no session was ended"
+            await wait_for(lambda: _has(s, "work", (1, "succeeded")) or _has(s, "work", (1, "failed")), timeout=30)
+            assert await statuses(s, "work") == [(1, "succeeded")]
+        assert saved == list(range(60))
+
+    run(main(), timeout=90)
+
+
+def terminate_all_but_the_lock(url):
+    """End every session of the schedulers (application_name anarchon_lite) but those holding an
+    advisory lock."""
+    return sql(
+        url,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'anarchon_lite' "
+        "AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')",
+    )
