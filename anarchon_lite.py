@@ -1,13 +1,15 @@
-# anarchon_lite - a job scheduler for one machine, in one file.
+# anarchon_lite - a job scheduler for one machine (or a few, on PostgreSQL), in one file.
 #
 # Copyright (c) 2026 the anarchon_lite authors. MIT licence: use, copy, modify and distribute this
 # file freely, provided this header stays with it.
-"""One file, one dependency (python-dateutil); aiosqlite is not needed (see the README).
+"""One file, one dependency (python-dateutil; psycopg 3 only for PostgreSQL); see the README.
 
 Copy this file into your project and keep this header. Several processes on one host share one
-SQLite file in WAL mode; they declare the same jobs, and every scheduled occurrence runs exactly once
-across them, under a lease kept alive by heartbeats. When the owner crashes, is deployed or freezes,
-another process takes the run over as the next attempt, and a checkpoint store lets it continue::
+SQLite file in WAL mode (or processes on many hosts one PostgreSQL database: give a
+``postgresql://`` URL instead of a path); they declare the same jobs, and every scheduled occurrence
+runs exactly once across them, under a lease kept alive by heartbeats. When the owner crashes, is
+deployed or freezes, another process takes the run over as the next attempt, and a checkpoint store
+lets it continue::
 
     from anarchon_lite import Scheduler
 
@@ -3577,9 +3579,12 @@ class _Outcome:
 
 
 class Scheduler:
-    """Runs declared jobs from one SQLite file shared with other processes on this host.
+    """Runs declared jobs from one SQLite file shared with other processes on this host, or from
+    one PostgreSQL database shared with processes on any host.
 
-    ``path`` is the database file (created on first use, mode 0600); ``instance`` a readable id
+    ``path`` is the database file (created on first use, mode 0600), or a ``postgresql://`` URL
+    (tables in the schema ``anarchon``, or the URL's ``?schema=NAME``; needs psycopg 3, the
+    ``postgres`` extra); ``instance`` a readable id
     for this process (default: host, pid and a random suffix). Other keyword arguments are for
     tests and tuning: ``clock`` (a ``Clock``), ``poll`` (look at the file this often, at most every
     1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
