@@ -53,14 +53,9 @@ def query(db: str, sql: str) -> list[Any]:
     if not db.startswith("postgresql://"):
         with sqlite3.connect(db) as conn:
             return conn.execute(sql).fetchall()
-    import psycopg
+    import pgserver
 
-    import anarchon_lite as al
-
-    target = al._PGTarget.parse(db)
-    with psycopg.connect(target.conninfo, autocommit=True) as conn:
-        conn.execute(f'SET search_path TO "{target.schema}"')
-        return conn.execute(sql).fetchall()
+    return pgserver.query(db, sql)
 
 
 MODES = ["idle", "chunks", "thread", "process", "blocking", "busy_cores", "contended"]

@@ -98,25 +98,22 @@ class State:
                 return conn.execute(sql, args).fetchall()
             finally:
                 conn.close()
+        import pgserver
         import psycopg
 
         import anarchon_lite as al
 
-        target = al._PGTarget.parse(self.location)
+        statement = sql.replace("?", "%s")
+        if statement.lstrip().upper().startswith("UPDATE"):  # a change the processes must hear of
+            statement = f"WITH changed AS ({statement} RETURNING 1) SELECT pg_notify(%s, '') FROM (SELECT 1) one"
+            args = (*args, f"anarchon_{al._PGTarget.parse(self.location).schema}")
         for tries in range(20):  # an UPDATE of several rows can deadlock with a worker's transaction
-            with psycopg.connect(target.conninfo, autocommit=True, connect_timeout=10) as conn:
-                conn.execute(f'SET search_path TO "{target.schema}"')
-                try:
-                    cursor = conn.execute(sql.replace("?", "%s"), args)
-                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
-                    if tries == 19:
-                        raise
-                    time.sleep(0.05)
-                    continue
-                rows = cursor.fetchall() if cursor.description else []
-                if sql.lstrip().upper().startswith("UPDATE"):  # a change the processes must hear of
-                    conn.execute("SELECT pg_notify(%s, '')", (f"anarchon_{target.schema}",))
-                return rows
+            try:
+                return pgserver.query(self.location, statement, args)
+            except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                if tries == 19:
+                    raise
+                time.sleep(0.05)
         raise AssertionError("unreachable")
 
 

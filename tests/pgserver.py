@@ -150,3 +150,17 @@ class Server:
         )
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder = None
+
+
+def query(url: str, sql: str, args=()) -> list:
+    """The rows of one statement (``%s`` placeholders) in the schema that ``url`` names (``?schema=``),
+    on a connection of its own; [] for a statement that returns none."""
+    import psycopg
+
+    import anarchon_lite as al
+
+    target = al._PGTarget.parse(url)
+    with psycopg.connect(target.conninfo, autocommit=True, connect_timeout=10) as conn:
+        conn.execute(f'SET search_path TO "{target.schema}"')
+        cursor = conn.execute(sql, args)
+        return cursor.fetchall() if cursor.description else []

@@ -28,13 +28,9 @@ def url(pg_server):
 
 
 def sql(url, statement, args=()):
-    import psycopg
+    import pgserver
 
-    target = al._PGTarget.parse(url)
-    with psycopg.connect(target.conninfo, autocommit=True) as conn:
-        conn.execute(f'SET search_path TO "{target.schema}"')
-        cursor = conn.execute(statement, args)
-        return cursor.fetchall() if cursor.description else []
+    return pgserver.query(url, statement, args)
 
 
 def terminate_session_of(url, instance):
