@@ -3252,17 +3252,11 @@ class _Watchdog:
 
 
 ###############################################################################
-# The scheduler ###############################################################
+# Jobs and options ############################################################
 ###############################################################################
 
 _OVERLAP = ("skip", "allow")
-_CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
-_ON_TIME = 5.0  # seconds: an occurrence found later than this after its time was missed (downtime)
-_MISSED_RECORDS = 100
-_LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, then closed
 _MIN_LEASE = 0.25  # seconds: renewed every third, a renewal may come 160 ms late (10x the worst measured)
-_CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
-_current_attempt: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("anarchon_attempt", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3329,6 +3323,89 @@ class _Job:
         self.definition = self.definition or self.schedule.description
 
 
+def _is_async(function: Handler) -> bool:
+    """Whether calling ``function`` returns a coroutine (async functions, partials of them, and
+    objects whose ``__call__`` is async)."""
+    if inspect.iscoroutinefunction(function):
+        return True
+    call = None if inspect.isroutine(function) else type(function).__call__
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+###############################################################################
+# The store, from the event loop ##############################################
+###############################################################################
+
+
+class _StoreThread:
+    """The thread on which the scheduler's store connection lives; calls are queued to it."""
+
+    def __init__(self, store: _Store):
+        self.store = store
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="anarchon-store")
+
+    async def call(self, work: Callable[[_Store], T]) -> T:
+        future = self._executor.submit(work, self.store)
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    def close(self) -> None:
+        self._executor.submit(self.store.close)
+        self._executor.shutdown(wait=False)
+
+
+class _StoreLink:
+    """How the scheduler, its checkpoints and its handlers' contexts reach the store: calls queued
+    to one thread that owns the main connection, opened at the first call. While the scheduler runs
+    (``held``) the thread stays between calls; otherwise each call closes it again, so a process
+    that calls ``status()`` now and then keeps no thread or connection in between. ``prepare`` runs
+    (on that thread, through the ``call`` it is given) before the first call on a connection and
+    again after ``prepared`` was cleared: the scheduler records its declarations there."""
+
+    def __init__(self, backend: _Backend):
+        self.backend = backend
+        self.held = False  #: the scheduler runs: the thread and its connection stay between calls
+        self.prepared = False  #: ``prepare`` ran on this connection since the declarations changed
+        self.prepare: Callable[[Callable[[Callable[[_Store], Any]], Awaitable[Any]]], Awaitable[None]] | None = None
+        self._thread: _StoreThread | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._thread is not None
+
+    async def call(self, work: Callable[[_Store], T]) -> T:
+        """Run ``work(store)`` on the store's thread; the transaction completes even if the
+        awaiting task is cancelled."""
+        if self._thread is None:
+            self._thread = _StoreThread(self.backend.main())
+        thread = self._thread
+        try:
+            if not self.prepared and self.prepare is not None:
+                await self.prepare(thread.call)
+                self.prepared = True
+            return await thread.call(work)
+        finally:
+            if not self.held:
+                self.close()
+
+    async def disconnect(self) -> None:
+        """Close the connection and keep the thread: the next call connects again, and prepares."""
+        if self._thread is not None:
+            await self._thread.call(lambda s: s.close())
+        self.prepared = False
+
+    def close(self) -> None:
+        """Close the connection and end the thread (after the calls queued before this one)."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+        self.prepared = False
+
+
+###############################################################################
+# The run context and checkpoints #############################################
+###############################################################################
+
+
 @dataclasses.dataclass
 class _Attempt:
     """A running attempt in this process: what the heartbeat thread and the scheduler share."""
@@ -3347,6 +3424,10 @@ class _Attempt:
     valid_until: float = 0.0
 
 
+#: The attempt whose handler (task or thread) is running here, for ``scheduler.checkpoints``' fencing.
+_current_attempt: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar("anarchon_attempt", default=None)
+
+
 class _JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         extra = self.extra or {}
@@ -3362,8 +3443,8 @@ class CheckpointStore:
     Writes are visible to every process once they return.
     """
 
-    def __init__(self, scheduler: Scheduler):
-        self._scheduler = scheduler
+    def __init__(self, link: _StoreLink, clock: Clock):
+        self._link, self._clock = link, clock
 
     async def get(self, job: str, slot: int, default: Any = None) -> Any:
         """The value saved for (job, slot), or ``default``."""
@@ -3379,15 +3460,15 @@ class CheckpointStore:
 
     async def _read(self, job: str, slot: int, default: Any, attempt: _Attempt | None) -> Any:
         fence = _fence(job, slot, attempt)
-        held, text = await self._scheduler._call_store(lambda s: s.checkpoint_get(job, slot, fence))
+        held, text = await self._link.call(lambda s: s.checkpoint_get(job, slot, fence))
         if not held:
             _lost(job, attempt)
         return default if text is None else json.loads(text)
 
     async def _write(self, job: str, slot: int, text: str | None, attempt: _Attempt | None) -> None:
         fence = _fence(job, slot, attempt)
-        now = _ms(self._scheduler._clock.time())
-        if not await self._scheduler._call_store(lambda s: s.checkpoint_write(job, slot, text, now, fence)):
+        now = _ms(self._clock.time())
+        if not await self._link.call(lambda s: s.checkpoint_write(job, slot, text, now, fence)):
             _lost(job, attempt)
 
 
@@ -3411,6 +3492,10 @@ def _to_json(value: Any) -> str:
         return json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"checkpoint value must be JSON-serialisable: {exc}") from None
+
+
+async def _await(coroutine: Awaitable[T]) -> T:
+    return await coroutine
 
 
 class Checkpoint:
@@ -3461,8 +3546,65 @@ class Checkpoint:
         return asyncio.run_coroutine_threadsafe(_await(make()), self._loop).result()
 
 
-async def _await(coroutine: Awaitable[T]) -> T:
-    return await coroutine
+@dataclasses.dataclass
+class RunContext:
+    """What a handler receives: the run's identity, its cancellation token and its checkpoint."""
+
+    job: str
+    slot: int
+    scheduled_at: _dt.datetime
+    attempt: int
+    signal: CancelToken
+    checkpoint: Checkpoint
+    instance: str
+    log: logging.LoggerAdapter  # type: ignore[type-arg]
+    _attempt: _Attempt = dataclasses.field(repr=False)
+    _store: Callable[[Callable[[_Store], Any]], Awaitable[Any]] = dataclasses.field(repr=False)
+
+    def progress(self, done: float, total: float | None = None) -> None:
+        """Report progress; it travels with the next heartbeat, never as a write of its own."""
+        self._attempt.progress = (float(done), None if total is None else float(total))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """A running (or waiting) attempt, as ``status()`` reports it."""
+
+    job: str
+    slot: int
+    attempt: int
+    state: str
+    owner: str | None
+    started_at: _dt.datetime | None
+    age: float | None
+    progress: tuple[float, float | None] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStatus:
+    """One job, as ``status()`` reports it."""
+
+    name: str
+    schedule: str
+    paused: bool
+    next_at: _dt.datetime | None
+    runs: tuple[RunInfo, ...]
+    definition: str | None = None  # as the process that declared the job last declared it
+    declared_by: str | None = None  # that process's instance id
+
+
+def _run_info(row: _RunRow, now: float) -> RunInfo:
+    started = _dt_or_none(row.started_at)
+    progress = None if row.progress_done is None else (row.progress_done, row.progress_total)
+    age = None if row.started_at is None or row.state != "running" else max(0.0, now - row.started_at / 1000)
+    return RunInfo(row.job, row.slot, row.attempt, row.state, row.owner, started, age, progress)
+
+
+###############################################################################
+# Running an attempt ##########################################################
+###############################################################################
+
+_LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, then closed
 
 
 def _contained(exc: BaseException) -> BaseException:
@@ -3524,872 +3666,11 @@ class _Driven:
 
 
 @dataclasses.dataclass
-class RunContext:
-    """What a handler receives: the run's identity, its cancellation token and its checkpoint."""
-
-    job: str
-    slot: int
-    scheduled_at: _dt.datetime
-    attempt: int
-    signal: CancelToken
-    checkpoint: Checkpoint
-    instance: str
-    log: logging.LoggerAdapter  # type: ignore[type-arg]
-    _attempt: _Attempt = dataclasses.field(repr=False)
-    _store: Callable[[Callable[[_Store], Any]], Awaitable[Any]] = dataclasses.field(repr=False)
-
-    def progress(self, done: float, total: float | None = None) -> None:
-        """Report progress; it travels with the next heartbeat, never as a write of its own."""
-        self._attempt.progress = (float(done), None if total is None else float(total))
-
-
-@dataclasses.dataclass(frozen=True)
-class RunInfo:
-    """A running (or waiting) attempt, as ``status()`` reports it."""
-
-    job: str
-    slot: int
-    attempt: int
-    state: str
-    owner: str | None
-    started_at: _dt.datetime | None
-    age: float | None
-    progress: tuple[float, float | None] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class JobStatus:
-    """One job, as ``status()`` reports it."""
-
-    name: str
-    schedule: str
-    paused: bool
-    next_at: _dt.datetime | None
-    runs: tuple[RunInfo, ...]
-    definition: str | None = None  # as the process that declared the job last declared it
-    declared_by: str | None = None  # that process's instance id
-
-
-@dataclasses.dataclass
 class _Outcome:
     status: str | None  # None: the attempt lost its run, nothing to write
     error: str | None = None
     retryable: bool = False
     output: str | None = None
-
-
-class Scheduler:
-    """Runs declared jobs from one SQLite file shared with other processes on this host, or from
-    one PostgreSQL database shared with processes on any host.
-
-    ``path`` is the database file (created on first use, mode 0600), or a ``postgresql://`` URL
-    (tables in the schema ``anarchon``, or the URL's ``?schema=NAME``; needs psycopg 3, the
-    ``postgres`` extra); ``instance`` a readable id
-    for this process (default: host, pid and a random suffix). Other keyword arguments are for
-    tests and tuning: ``clock`` (a ``Clock``), ``poll`` (look at the file this often, at most every
-    1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
-    per job), ``blocked_warning`` (seconds of a blocked event loop before a warning),
-    ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
-    it was; None leaves it alone), ``read_only`` (only look at the file, for ``status()`` and
-    ``history()``: a missing file is a ``StoreError``, nothing is created, and the file may be in a
-    directory this process cannot write; such a scheduler cannot run or change anything).
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike,  # type: ignore[type-arg]
-        *,
-        instance: str | None = None,
-        clock: Clock | None = None,
-        poll: float | None = None,
-        busy_timeout: float = 30.0,
-        retention: int = 1000,
-        blocked_warning: float = 1.0,
-        switch_interval: float | None = 0.0005,
-        read_only: bool = False,
-    ):
-        self.path = os.fspath(path)
-        self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
-        self._clock = clock or Clock()
-        self._poll = 0.5 if poll is None else min(poll, 1.0)
-        self._polling = poll is not None
-        self._busy_timeout = busy_timeout
-        if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
-            raise ConfigError(
-                f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention"
-            )
-        self._retention = retention
-        self._blocked_warning = blocked_warning
-        self._switch_interval = switch_interval
-        self._read_only = read_only
-        self._backend: _Backend = (
-            _Postgres(self.path, read_only, busy_timeout, retention)
-            if _is_postgres(self.path)
-            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
-        )
-        self._where = self._backend.where  # the database, as messages name it
-        self._jobs: dict[str, _Job] = {}
-        self._store_thread: _StoreThread | None = None
-        self._registered = False
-        self._attempts: dict[tuple[str, int], _Attempt] = {}
-        self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  # attempts' ends waiting to be written
-        self._writers: set[asyncio.Task[None]] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._signal_tasks: set[asyncio.Task[None]] = set()
-        self._main: asyncio.Task[None] | None = None
-        self._serving = False  #: between the start and the end of ``_serve``: the store thread stays
-        self._stopping = False
-        self._stop_grace = 10.0
-        self._hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
-        self._wake: asyncio.Future[None] | None = None
-        self._poked = False
-        self._written = False  # the file watch saw a write we may not see committed yet
-        self._backing_off = False  #: a look failed: sleep the back-off out whatever the file does
-        self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
-        self._heartbeats: _Heartbeats | None = None
-        self._timers: _Timers | None = None
-        self._watchdog: _Watchdog | None = None
-        self._clock_warned = False
-        self._dirty = True
-        self._rejoin = False
-        self._ready: asyncio.Event | None = None
-        self._idle = self._poll
-        self.checkpoints = CheckpointStore(self)
-
-    # -- declaring jobs ---------------------------------------------------------------------------
-
-    def every(
-        self,
-        name: str,
-        interval: DurationLike,
-        handler: Handler | None = None,
-        *,
-        offset: DurationLike = 0,
-        **options: Any,
-    ) -> Any:
-        """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
-        seconds = parse_duration(interval, job=name, option="interval")
-        shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
-        return self._declare(name, _Every(seconds, shift), handler, options)
-
-    def cron(
-        self,
-        name: str,
-        expr: str,
-        handler: Handler | None = None,
-        *,
-        tz: None | str | _dt.tzinfo = None,
-        **options: Any,
-    ) -> Any:
-        """Run ``handler`` on a 5-field cron schedule in zone ``tz`` (default: the local zone)."""
-        if not isinstance(expr, str):
-            raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
-        return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
-
-    def rrule(
-        self,
-        name: str,
-        rule: str | _rrule.rrule,
-        handler: Handler | None = None,
-        *,
-        tz: None | str | _dt.tzinfo = None,
-        **options: Any,
-    ) -> Any:
-        """Run ``handler`` on an RFC 5545 recurrence rule (string or ``dateutil.rrule.rrule``)."""
-        zone = None if tz is None else _zone(tz, name)
-        return self._declare(name, _RRule(rule, zone, name), handler, options)
-
-    def _declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"job name must be a non-empty string, not {name!r}")
-        if not name.isprintable():
-            raise ConfigError(f"job name {name!r} has a line break or another control character")
-        if name in self._jobs:
-            raise ConfigError("a job with this name is already declared", job=name)
-        options = _options(name, given)
-
-        def register(function: Handler) -> Handler:
-            if not callable(function):
-                raise ConfigError(f"handler must be callable, not {function!r}", job=name)
-            if name in self._jobs:
-                raise ConfigError("a job with this name is already declared", job=name)
-            self._jobs[name] = _Job(name, schedule, function, options, _is_async(function))
-            self._registered = False
-            return function
-
-        return register if handler is None else register(handler)
-
-    def upcoming(self, name: str, count: int = 5, after: _dt.datetime | None = None) -> list[_dt.datetime]:
-        """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now; a
-        naive datetime counts as UTC), as aware UTC datetimes. Pure schedule math: no database."""
-        job = self._job(name)
-        if after is None:
-            cursor = _ms(self._clock.time())
-        else:  # a naive datetime is taken as UTC, like every datetime this module returns
-            cursor = _ms_from_dt(after if after.tzinfo else after.replace(tzinfo=_UTC))
-        found = []
-        for _ in range(count):
-            following = job.schedule.next_after(cursor)
-            if following is None:
-                break
-            found.append(_utc_from_ms(following))
-            cursor = following
-        return found
-
-    def _job(self, name: str) -> _Job:
-        job = self._jobs.get(name)
-        if job is None:
-            raise ConfigError("no such job is declared", job=name)
-        return job
-
-    # -- the store, from the event loop -----------------------------------------------------------
-
-    async def _call_store(self, work: Callable[[_Store], T]) -> T:
-        """Run ``work(store)`` on the store's own thread; the transaction completes even if the
-        awaiting task is cancelled."""
-        if self._store_thread is None:
-            self._store_thread = _StoreThread(self._backend.main())
-        thread = self._store_thread
-        if not self._registered and self._jobs:
-            now = _ms(self._clock.time())
-            jobs = [
-                _Declared(
-                    job.name, job.schedule.description, now, job.schedule.next_after(now), job.definition, self.instance
-                )
-                for job in self._jobs.values()
-            ]
-            for row in await thread.call(lambda s: s.register(jobs)):
-                self._disagree(row, "now holds this one's")
-            self._registered = True
-        try:
-            return await thread.call(work)
-        finally:
-            if not self._serving:  # not running: no thread or connection outlives the call
-                thread.close()
-                self._store_thread = None
-
-    def _disagree(self, row: _JobRow, outcome: str) -> None:
-        """Warn, once per definition, that another process declares a job of ours differently."""
-        job = self._jobs.get(row.name)
-        if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
-            return
-        self._disputes.add((row.name, row.definition))
-        _log.warning(
-            "job %r is declared differently by two processes: %s declares %r, this one (%s) %r; the file %s",
-            row.name,
-            row.declared_by or "another process",
-            row.definition,
-            self.instance,
-            job.definition,
-            outcome,
-        )
-
-    # -- control from any process ----------------------------------------------------------------
-
-    async def trigger(self, name: str) -> int:
-        """Record a run of ``name`` due now and return its slot (ms); a process declaring the job
-        runs it. Works whether or not this scheduler is running."""
-        now = _ms(self._clock.time())
-        slot = await self._call_store(lambda s: s.trigger(name, now))
-        self._poke()
-        return slot
-
-    async def pause(self, name: str) -> None:
-        """Stop scheduling ``name`` on every process (runs in progress carry on)."""
-        await self._set_paused(name, True)
-
-    async def resume(self, name: str) -> None:
-        """Restart the schedule of ``name``; occurrences during the pause are not run or recorded."""
-        await self._set_paused(name, False)
-
-    async def _set_paused(self, name: str, paused: bool) -> None:
-        now = _ms(self._clock.time())
-        if not await self._call_store(lambda s: s.set_paused(name, paused, now)):
-            raise ConfigError("no such job in the database", job=name)
-        self._poke()
-
-    async def cancel(self, name: str) -> int:
-        """Abort every unfinished run of ``name`` with ``Cancelled``, on whichever process holds it."""
-        now = _ms(self._clock.time())
-        count = await self._call_store(lambda s: s.cancel(name, now))
-        for (job, _slot), attempt in list(self._attempts.items()):
-            if job == name:
-                attempt.token.abort(Cancelled(f"{name}: cancelled"))
-        return count
-
-    async def history(self, job: str | None = None, limit: int = 100) -> list[RunRecord]:
-        """The newest ``limit`` records (of ``job``, or of every job), newest first."""
-        return await self._call_store(lambda s: s.history(job, limit))
-
-    async def status(self) -> list[JobStatus]:
-        """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
-        jobs, runs = await self._call_store(lambda s: (s.jobs(), s.runs()))
-        now_wall = self._clock.time()
-        result = []
-        for row in jobs:
-            declared = self._jobs.get(row.name)
-            following = declared.schedule.next_after(max(row.last_slot, _ms(now_wall))) if declared else row.next_slot
-            infos = tuple(_run_info(r, now_wall) for r in runs if r.job == row.name)
-            result.append(
-                JobStatus(
-                    row.name, row.schedule, row.paused, _dt_or_none(following), infos, row.definition, row.declared_by
-                )
-            )
-        return result
-
-    # -- running ----------------------------------------------------------------------------------
-
-    async def run(self) -> None:
-        """Run the scheduler until ``stop()`` (or SIGTERM/SIGINT, when on the main thread)."""
-        if self._read_only:
-            raise ConfigError("a read-only scheduler only looks at the file: it cannot run", option="read_only")
-        self._stopping = False  # a stop from now on, even while starting, is kept
-        loop = asyncio.get_running_loop()
-        installed = []
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                try:
-                    loop.add_signal_handler(signum, self._on_signal, signum)
-                    installed.append(signum)
-                except (NotImplementedError, RuntimeError):
-                    pass
-        self._main = asyncio.current_task()
-        self._ready = asyncio.Event()
-        try:
-            await self._serve()
-        finally:
-            for signum in installed:
-                loop.remove_signal_handler(signum)
-
-    def _on_signal(self, signum: int) -> None:
-        if self._stopping and self._hurry is not None:
-            if not self._hurry.is_set():
-                _log.warning("received %s again: cutting the grace short", signal.Signals(signum).name)
-                self._hurry.set()
-            return
-        _log.info("received %s: stopping (again to cut the grace short)", signal.Signals(signum).name)
-        task = asyncio.get_running_loop().create_task(self.stop())
-        self._signal_tasks.add(task)
-        task.add_done_callback(self._signal_tasks.discard)
-
-    async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
-        """Start the scheduler in the background; returns once it has looked at the file once."""
-        self._stopping = False
-        self._ready = ready = asyncio.Event()
-        self._main = asyncio.get_running_loop().create_task(self._serve())
-        waiter = asyncio.ensure_future(ready.wait())
-        await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if self._main.done():
-            self._main.result()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
-    async def stop(self, grace: DurationLike = 10.0) -> None:
-        """Stop claiming work, abort running handlers with ``Shutdown``, wait up to ``grace`` for
-        them, and hand their runs over to the next process (another live one takes them at once)."""
-        self._stop_grace = parse_duration(grace, option="grace")
-        self._stopping = True
-        for attempt in list(self._attempts.values()):
-            attempt.token.abort(Shutdown(f"{self.instance} is stopping"))
-        self._poke()
-        main = self._main
-        if main is not None and main is not asyncio.current_task():
-            await asyncio.wait({main})
-
-    def _poke(self) -> None:
-        """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
-        self._dirty = True
-        self._wake_up()
-
-    def _wake_up(self) -> None:
-        self._poked = self._written = True
-        if self._wake is not None:
-            _resolve(self._wake)
-
-    def _file_written(self) -> None:
-        """Another process (or this one) wrote the file. While backing off after a failure, this
-        waits for the back-off: the failing writes themselves touch the file."""
-        if self._backing_off:
-            self._written = True
-        else:
-            self._wake_up()
-
-    async def _join(self) -> bool:
-        """Record this process among the file's running instances; True if it is the only one."""
-        now_ms = _ms(self._clock.time())
-        alone = await self._call_store(lambda s: s.join(self.instance, now_ms))
-        self._rejoin = False
-        return alone
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._hurry = asyncio.Event()
-        # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
-        # connection that holds this process's lock), and no change after the join goes unseen.
-        loop_state = _LoopState(self._backend.changes(loop, self._file_written, self._polling))
-        self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
-        self._timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
-        self._heartbeats = _Heartbeats(
-            self._backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
-        )
-        self._watchdog = _Watchdog(loop, self._timers, self._clock, self._blocked_warning, self._describe_block)
-        self._timers.start()
-        self._heartbeats.start()
-        self._serving = True
-        try:
-            await self._join_first(loop_state)
-            self._poked = False
-            while not self._stopping:
-                self._poked = False  # a wake from now on means: look again after this tick
-                try:
-                    await self._tick(loop_state)
-                except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
-                    self._back_off(loop_state, exc)
-                else:
-                    if loop_state.failing is not None:
-                        _log.warning("%s can be used again", self._where)
-                        loop_state.failing = None
-                    loop_state.delay = 0.0
-                    self._backing_off = False
-                if self._ready is not None:
-                    self._ready.set()
-                await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
-            await self._drain()
-        finally:
-            loop_state.watch.close()
-            self._timers.stop()
-            self._heartbeats.stop()
-            if self._store_thread is not None:
-                try:
-                    await self._call_store(lambda s: s.leave(self.instance))
-                except StoreError as exc:
-                    _log.warning("%s", exc)
-                self._store_thread.close()
-                self._store_thread = None
-            self._registered = False
-            self._serving = False
-
-    async def _join_first(self, state: _LoopState) -> None:
-        """Join the group; the first process of a group runs the jobs declared to run on start. A
-        server that cannot be reached yet is waited for (logged, with back-off); any other failure
-        to open the database is raised."""
-        now_ms = _ms(self._clock.time())
-        while not self._stopping:
-            try:
-                alone = await self._join()
-                break
-            except StoreError as exc:
-                if not exc.transient:
-                    raise
-                self._back_off(state, exc)
-                await self._sleep(state.delay)
-        else:
-            return
-        on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
-        if alone and on_start:
-            await self._call_store(lambda s: [s.trigger(name, now_ms) for name in on_start])
-
-    def _back_off(self, state: _LoopState, exc: Exception) -> None:
-        state.delay = min(max(state.delay * 2, self._poll), 5.0)
-        self._backing_off = True
-        self._log_failure(state, exc)
-
-    def _log_failure(self, state: _LoopState, exc: Exception) -> None:
-        """Log a failed look: at once when it fails differently, else once a minute at most."""
-        now = self._clock.monotonic()
-        if str(exc) != state.failing or now - state.logged >= 60.0:
-            _log.error(
-                "%s (looking again in %s)", exc, format_duration(state.delay), exc_info=not isinstance(exc, StoreError)
-            )
-            state.failing, state.logged = str(exc), now
-
-    async def _sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` on the loop's monotonic clock, or until ``_poke()``."""
-        loop = asyncio.get_running_loop()
-        if seconds > 0 and not self._poked:
-            self._wake = loop.create_future()
-            handle = loop.call_later(seconds, _resolve, self._wake)
-            try:
-                await self._wake
-            finally:
-                handle.cancel()
-                self._wake = None
-
-    async def _drain(self) -> None:
-        """After a stop: wait up to the stop grace for the attempts, which hand their runs over;
-        then hurry the rest (cancelled, abandoned) and let them write their ends."""
-        assert self._hurry is not None
-        if self._tasks:
-            every = asyncio.ensure_future(asyncio.wait(set(self._tasks)))
-            hurry = asyncio.ensure_future(self._hurry.wait())
-            await asyncio.wait({every, hurry}, timeout=self._stop_grace + 0.1, return_when=asyncio.FIRST_COMPLETED)
-            every.cancel()
-            hurry.cancel()
-        self._hurry.set()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=2 * _LAST_WORDS + 5.0)
-        for task in list(self._tasks):  # a store that does not answer: the next owner takes the runs over
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=1.0)
-
-    # -- one look at the file ---------------------------------------------------------------------
-
-    async def _tick(self, state: _LoopState) -> None:
-        now = self._clock.time()
-        now_ms = _ms(now)
-        version = state.watch.version()  # microseconds on this thread; the store thread only on a change
-        change = state.watch.lost()
-        if change is not None:
-            await self._reopen(state, change)
-        if self._rejoin:
-            await self._join()
-        # inotify reports a WAL write a moment before its commit is visible: after a write with no
-        # visible change, look again after 5, 25, 125 and 625 ms.
-        written, self._written = self._written, False
-        if version != state.version:
-            state.recheck = 0.0
-        elif written:
-            state.recheck = 0.005
-        elif state.recheck:
-            state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
-        stale = state.watching and self._clock.monotonic() >= state.read_at + self._poll - 0.01
-        if version != state.version or state.runs is None or self._dirty or stale:
-            self._dirty = False
-            jobs, state.runs, newest = await self._call_store(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
-            state.read_at = self._clock.monotonic()
-            for row in jobs:
-                self._disagree(row, "holds that one's")
-            state.jobs = jobs
-            state.newest = newest or 0
-            state.version = version
-        if now_ms < state.newest - _CLOCK_SLACK_MS:
-            if not self._clock_warned:
-                _log.warning(
-                    "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
-                    "until it is corrected",
-                    _utc_from_ms(now_ms).isoformat(),
-                    self._where,
-                    _utc_from_ms(state.newest).isoformat(),
-                )
-                self._clock_warned = True
-            state.wait = self._idle
-            return
-        self._clock_warned = False
-        wait = min(self._idle, state.recheck or self._idle)
-        ready: list[tuple[_Job, _JobRow]] = []
-        for row in state.jobs or []:
-            job = self._jobs.get(row.name)
-            if job is None or row.paused:
-                continue
-            due = job.schedule.next_after(row.last_slot)
-            if due is not None and due <= now_ms:
-                ready.append((job, row))
-            elif due is not None:
-                wait = min(wait, (due - now_ms) / 1000)
-        if ready:
-            await self._fire(ready, now_ms)
-            state.version = -1
-            wait = 0.0
-        state.watching = False
-        for run in state.runs or []:
-            again = await self._consider(run, now_ms, state)
-            if again is not None:
-                wait = min(wait, again)
-                if again == 0.0:
-                    state.version = -1
-        state.wait = wait
-
-    async def _reopen(self, state: _LoopState, change: str) -> None:
-        """The state this process used is gone from view, or its claim on its runs may be (``change``
-        says which): the database file was deleted or replaced, or the connection holding this
-        process's lock was lost. Abort the attempts, close every connection, and carry on with what
-        the path names now (a file created anew if none; the server once it is back)."""
-        _log.error("%s: aborting this process's running attempts and opening the database again", change)
-        for attempt in list(self._attempts.values()):
-            attempt.token.abort(LeaseLost(f"{attempt.claim.job}: {change}"))
-        state.watch.reset()
-        if self._store_thread is not None:
-            await self._store_thread.call(lambda s: s.close())
-        if self._heartbeats is not None:
-            # No connection of this process may stay on the old file when the path is opened again:
-            # its -wal and -shm files keep their names, and a new connection would read them.
-            self._heartbeats.reopen()
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self._heartbeats.wait_closed, 5.0)
-        self._registered = False
-        self._rejoin = True
-        self._dirty = True
-        state.version = -1
-        state.newest = 0
-
-    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> None:
-        """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
-        miss), all in one transaction."""
-        due = []
-        for job, row in ready:
-            plan = _plan_due(job, row.last_slot, now_ms)
-            skip = job.options.overlap == "skip"
-            due.append(
-                _Due(job.name, row.last_slot, plan.slot, plan.next_slot, plan.missed, plan.run, skip, job.options.lease)
-            )
-        claims = await self._call_store(lambda s: s.claim_due_many(self.instance, now_ms, due))
-        for (job, _row), claim in zip(ready, claims):
-            if isinstance(claim, _Claim):
-                self._start(job, claim)
-
-    async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
-        """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
-        ``run`` was read at ``state.read_at`` (its ``lease_left`` is as of then).
-
-        Returns how many seconds from now the run needs another look (0 after a claim), or None.
-        """
-        mine = self._attempts.get((run.job, run.slot))
-        if mine is not None:
-            # The snapshot may predate our own claim; only a newer attempt means a takeover.
-            if run.attempt > mine.claim.attempt:
-                mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
-            elif run.cancel and run.attempt == mine.claim.attempt:
-                mine.token.abort(Cancelled(f"{run.job}: cancelled"))
-            return None
-        job = self._jobs.get(run.job)
-        if job is None or self._stopping:
-            return None
-        reason = ""
-        if run.state == "pending":
-            if run.not_before > now_ms:
-                return (run.not_before - now_ms) / 1000
-        else:
-            gone = state.watch.owner_gone(run)
-            left = (run.lease_left or 0.0) - (self._clock.monotonic() - state.read_at)
-            if gone is None and left >= 0:
-                # Watch the owner, and its lease: a store that judges owners only when it reads the
-                # runs has them read again at the next look.
-                state.watching = state.watching or not state.watch.fresh_liveness
-                return min(self._poll, left + 0.001)
-            reason = gone or "lease expired"
-        options = job.options
-        claim = await self._call_store(
-            lambda s: s.claim(
-                run, self.instance, options.lease, now_ms, options.max_attempts, options.overlap == "skip", reason
-            )
-        )
-        if claim is not None:
-            self._start(job, claim)
-        return 0.0
-
-    # -- one attempt ------------------------------------------------------------------------------
-
-    def _start(self, job: _Job, claim: _Claim) -> None:
-        attempt = _Attempt(
-            job, claim, self.instance, CancelToken(), job.options.lease, max(job.options.lease / 3, 0.05)
-        )
-        self._attempts[(claim.job, claim.slot)] = attempt
-        task = asyncio.get_running_loop().create_task(self._run_attempt(attempt))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _run_attempt(self, attempt: _Attempt) -> None:
-        assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
-        job, claim, token = attempt.job, attempt.claim, attempt.token
-        self._heartbeats.add(attempt)
-        self._watchdog.acquire()
-        cancel_timeout = _nothing
-        if job.options.timeout is not None:
-            limit = job.options.timeout
-            cancel_timeout = self._timers.call_at(
-                self._clock.monotonic() + limit,
-                lambda: token.abort(RunTimeout(f"{job.name}: timed out after {format_duration(limit)}")),
-            )
-        try:
-            outcome = await self._call_handler(attempt)
-        finally:
-            cancel_timeout()
-            attempt.done = True
-            self._watchdog.release()
-            self._attempts.pop((claim.job, claim.slot), None)
-        await self._settle(attempt, outcome)
-
-    def _context(self, attempt: _Attempt) -> RunContext:
-        claim = attempt.claim
-        loop = asyncio.get_running_loop()
-        logger = _JobLog(
-            logging.getLogger(f"anarchon_lite.job.{claim.job}"),
-            {"job": claim.job, "slot": claim.slot, "attempt": claim.attempt},
-        )
-        return RunContext(
-            job=claim.job,
-            slot=claim.slot,
-            scheduled_at=_utc_from_ms(claim.slot),
-            attempt=claim.attempt,
-            signal=attempt.token,
-            checkpoint=Checkpoint(self.checkpoints, attempt, loop),
-            instance=self.instance,
-            log=logger,
-            _attempt=attempt,
-            _store=self._call_store,
-        )
-
-    async def _call_handler(self, attempt: _Attempt) -> _Outcome:
-        """Run the handler; after an abort, give it its grace period, then cancel (async) or
-        abandon (thread) it. Returns what the attempt's record should say."""
-        ctx = self._context(attempt)
-        token = attempt.token
-        loop = asyncio.get_running_loop()
-        context = contextvars.copy_context()
-        context.run(_current_attempt.set, attempt)
-        work: asyncio.Future[Any]
-        driven = None
-        if attempt.job.is_async:
-            driven = _Driven(_await(attempt.job.handler(ctx)))
-            work = context.run(loop.create_task, _await(driven))
-        else:
-            work = loop.create_future()
-            _start_thread(attempt.job.handler, ctx, context, work, loop)
-        aborted = asyncio.ensure_future(token.wait())
-        try:
-            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            grace = attempt.job.options.grace
-            if not work.done() and isinstance(token.reason, Shutdown):
-                grace = min(grace, self._stop_grace)
-            await self._within(work, grace)  # the grace to return by itself
-            if not work.done() and driven is not None:
-                work.cancel()  # then CancelledError, and another grace
-                await self._within(work, grace)
-            if not work.done() and driven is not None:
-                driven.abandon()  # it swallowed the cancel: close it at its next await
-                work.cancel()
-                await asyncio.wait({work}, timeout=_LAST_WORDS)
-        finally:
-            aborted.cancel()
-        return _outcome(work, token, attempt.job.options.grace)
-
-    async def _within(self, work: asyncio.Future[Any], seconds: float) -> None:
-        """Wait up to ``seconds`` for ``work``; once the stop is hurried (a second SIGTERM or
-        SIGINT, or the stop's grace ran out), up to ``_LAST_WORDS`` more at most."""
-        hurry = self._hurry
-        if work.done() or hurry is None:
-            if not work.done():
-                await asyncio.wait({work}, timeout=seconds)
-            return
-        waiter = asyncio.ensure_future(hurry.wait())
-        try:
-            await asyncio.wait({work, waiter}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        if not work.done() and hurry.is_set():
-            await asyncio.wait({work}, timeout=_LAST_WORDS)
-
-    async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
-        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced)."""
-        if outcome.status is None:
-            return
-        claim, options = attempt.claim, attempt.job.options
-        then, not_before = _Then.DONE, 0
-        now_ms = _ms(self._clock.time())
-        if outcome.status == "interrupted":
-            then, not_before = _Then.HANDOVER, now_ms
-        elif outcome.retryable and claim.failures < options.retries:
-            backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
-            then, not_before = _Then.RETRY, now_ms + _ms(backoff)
-        end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
-        for tries in range(60):
-            try:
-                await self._finish(end)
-                break
-            except StoreError as exc:
-                _log.error(
-                    "%s slot %s: cannot record the end of attempt %s, retrying: %s",
-                    claim.job,
-                    claim.slot,
-                    claim.attempt,
-                    exc,
-                )
-                await asyncio.sleep(min(0.1 * 2**tries, 5.0))
-        self._poke()
-
-    async def _finish(self, end: _End) -> bool:
-        """Write an attempt's end. The ends of attempts that finish together are written in one
-        transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._ends.append((end, future))
-        if len(self._ends) == 1:
-            task = asyncio.get_running_loop().create_task(self._write_ends())
-            self._writers.add(task)
-            task.add_done_callback(self._writers.discard)
-        return await future
-
-    async def _write_ends(self) -> None:
-        await asyncio.sleep(0)  # the attempts ending in this turn of the loop join the batch
-        batch, self._ends = self._ends, []
-        try:
-            results = await self._call_store(lambda s: s.finish_many(self.instance, [end for end, _ in batch]))
-        except BaseException as exc:  # every waiting attempt gets it (a StoreError: each retries)
-            for _, future in batch:
-                _set_exception(future, exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            for (_, future), written in zip(batch, results):
-                _set_result(future, written)
-
-    def _describe_block(self, thread_id: int) -> str:
-        frame = sys._current_frames().get(thread_id)
-        handlers = {job.handler.__code__: job.name for job in self._jobs.values() if hasattr(job.handler, "__code__")}
-        innermost = None
-        job_name = None
-        while frame is not None:
-            if innermost is None and not frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)):
-                innermost = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            if frame.f_code in handlers:
-                job_name = handlers[frame.f_code]
-                break
-            frame = frame.f_back
-        return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
-
-
-@dataclasses.dataclass
-class _LoopState:
-    watch: _Changes  # what the loop asks between transactions, on its own thread
-    version: int = -1
-    jobs: list[_JobRow] | None = None
-    runs: list[_RunRow] | None = None
-    newest: int = 0
-    wait: float = 0.0
-    delay: float = 0.0
-    recheck: float = 0.0  # after a write seen by the file watch: look again this soon
-    read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
-    watching: bool = False  # another process's run is watched with ``owner_gone`` as of that read
-    failing: str | None = None  # the error of the last look, while looks fail
-    logged: float = 0.0  # when it was last logged (monotonic)
-
-
-class _StoreThread:
-    """The thread on which the scheduler's store connection lives; calls are queued to it."""
-
-    def __init__(self, store: _Store):
-        self.store = store
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="anarchon-store")
-
-    async def call(self, work: Callable[[_Store], T]) -> T:
-        future = self._executor.submit(work, self.store)
-        return await asyncio.shield(asyncio.wrap_future(future))
-
-    def close(self) -> None:
-        self._executor.submit(self.store.close)
-        self._executor.shutdown(wait=False)
-
-
-def _is_async(function: Handler) -> bool:
-    """Whether calling ``function`` returns a coroutine (async functions, partials of them, and
-    objects whose ``__call__`` is async)."""
-    if inspect.iscoroutinefunction(function):
-        return True
-    call = None if inspect.isroutine(function) else type(function).__call__
-    return call is not None and inspect.iscoroutinefunction(call)
 
 
 def _start_thread(
@@ -4453,11 +3734,217 @@ def _tail(value: object, size: int = 4096) -> str | None:
     return value[-size:] if isinstance(value, str) else None
 
 
-def _run_info(row: _RunRow, now: float) -> RunInfo:
-    started = _dt_or_none(row.started_at)
-    progress = None if row.progress_done is None else (row.progress_done, row.progress_total)
-    age = None if row.started_at is None or row.state != "running" else max(0.0, now - row.started_at / 1000)
-    return RunInfo(row.job, row.slot, row.attempt, row.state, row.owner, started, age, progress)
+class _Runner:
+    """The attempts running in this process: each handler in its task or thread, its timeout, its
+    grace after an abort, and the write of its end (a retry, a hand-over or done); at a stop,
+    waiting for them all. Lives on the event loop."""
+
+    def __init__(
+        self, link: _StoreLink, clock: Clock, instance: str, checkpoints: CheckpointStore, poke: Callable[[], None]
+    ):
+        self._link, self._clock, self._instance = link, clock, instance
+        self._checkpoints = checkpoints
+        self._poke = poke  #: called after an end was written: the scheduler looks again
+        self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
+        self.tasks: set[asyncio.Task[None]] = set()  #: one per running attempt
+        self.grace = 10.0  #: the grace of the stop in progress
+        self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
+        self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  #: attempts' ends waiting to be written
+        self._writers: set[asyncio.Task[None]] = set()
+        self._heartbeats: _Heartbeats | None = None
+        self._timers: _Timers | None = None
+        self._watchdog: _Watchdog | None = None
+
+    def begin(self, heartbeats: _Heartbeats, timers: _Timers, watchdog: _Watchdog) -> None:
+        """Attach the threads that keep attempts alive, as the scheduler starts serving."""
+        self._heartbeats, self._timers, self._watchdog = heartbeats, timers, watchdog
+        self.hurry = asyncio.Event()
+
+    def abort(self, reason: Callable[[str], Aborted], job: str | None = None) -> None:
+        """Abort the running attempts (of ``job``, or all) with ``reason(job name)``."""
+        for attempt in list(self.running.values()):
+            if job is None or attempt.claim.job == job:
+                attempt.token.abort(reason(attempt.claim.job))
+
+    def start(self, job: _Job, claim: _Claim) -> None:
+        """Run the attempt that ``claim`` won, in a task of its own."""
+        attempt = _Attempt(
+            job, claim, self._instance, CancelToken(), job.options.lease, max(job.options.lease / 3, 0.05)
+        )
+        self.running[(claim.job, claim.slot)] = attempt
+        task = asyncio.get_running_loop().create_task(self._run(attempt))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def drain(self) -> None:
+        """After a stop: wait up to the stop grace for the attempts, which hand their runs over;
+        then hurry the rest (cancelled, abandoned) and let them write their ends."""
+        assert self.hurry is not None
+        if self.tasks:
+            every = asyncio.ensure_future(asyncio.wait(set(self.tasks)))
+            hurry = asyncio.ensure_future(self.hurry.wait())
+            await asyncio.wait({every, hurry}, timeout=self.grace + 0.1, return_when=asyncio.FIRST_COMPLETED)
+            every.cancel()
+            hurry.cancel()
+        self.hurry.set()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=2 * _LAST_WORDS + 5.0)
+        for task in list(self.tasks):  # a store that does not answer: the next owner takes the runs over
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=1.0)
+
+    async def _run(self, attempt: _Attempt) -> None:
+        assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
+        job, claim, token = attempt.job, attempt.claim, attempt.token
+        self._heartbeats.add(attempt)
+        self._watchdog.acquire()
+        cancel_timeout = _nothing
+        if job.options.timeout is not None:
+            limit = job.options.timeout
+            cancel_timeout = self._timers.call_at(
+                self._clock.monotonic() + limit,
+                lambda: token.abort(RunTimeout(f"{job.name}: timed out after {format_duration(limit)}")),
+            )
+        try:
+            outcome = await self._call_handler(attempt)
+        finally:
+            cancel_timeout()
+            attempt.done = True
+            self._watchdog.release()
+            self.running.pop((claim.job, claim.slot), None)
+        await self._settle(attempt, outcome)
+
+    def _context(self, attempt: _Attempt) -> RunContext:
+        claim = attempt.claim
+        loop = asyncio.get_running_loop()
+        logger = _JobLog(
+            logging.getLogger(f"anarchon_lite.job.{claim.job}"),
+            {"job": claim.job, "slot": claim.slot, "attempt": claim.attempt},
+        )
+        return RunContext(
+            job=claim.job,
+            slot=claim.slot,
+            scheduled_at=_utc_from_ms(claim.slot),
+            attempt=claim.attempt,
+            signal=attempt.token,
+            checkpoint=Checkpoint(self._checkpoints, attempt, loop),
+            instance=self._instance,
+            log=logger,
+            _attempt=attempt,
+            _store=self._link.call,
+        )
+
+    async def _call_handler(self, attempt: _Attempt) -> _Outcome:
+        """Run the handler; after an abort, give it its grace period, then cancel (async) or
+        abandon (thread) it. Returns what the attempt's record should say."""
+        ctx = self._context(attempt)
+        token = attempt.token
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        context.run(_current_attempt.set, attempt)
+        work: asyncio.Future[Any]
+        driven = None
+        if attempt.job.is_async:
+            driven = _Driven(_await(attempt.job.handler(ctx)))
+            work = context.run(loop.create_task, _await(driven))
+        else:
+            work = loop.create_future()
+            _start_thread(attempt.job.handler, ctx, context, work, loop)
+        aborted = asyncio.ensure_future(token.wait())
+        try:
+            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            grace = attempt.job.options.grace
+            if not work.done() and isinstance(token.reason, Shutdown):
+                grace = min(grace, self.grace)
+            await self._within(work, grace)  # the grace to return by itself
+            if not work.done() and driven is not None:
+                work.cancel()  # then CancelledError, and another grace
+                await self._within(work, grace)
+            if not work.done() and driven is not None:
+                driven.abandon()  # it swallowed the cancel: close it at its next await
+                work.cancel()
+                await asyncio.wait({work}, timeout=_LAST_WORDS)
+        finally:
+            aborted.cancel()
+        return _outcome(work, token, attempt.job.options.grace)
+
+    async def _within(self, work: asyncio.Future[Any], seconds: float) -> None:
+        """Wait up to ``seconds`` for ``work``; once the stop is hurried (a second SIGTERM or
+        SIGINT, or the stop's grace ran out), up to ``_LAST_WORDS`` more at most."""
+        hurry = self.hurry
+        if work.done() or hurry is None:
+            if not work.done():
+                await asyncio.wait({work}, timeout=seconds)
+            return
+        waiter = asyncio.ensure_future(hurry.wait())
+        try:
+            await asyncio.wait({work, waiter}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not work.done() and hurry.is_set():
+            await asyncio.wait({work}, timeout=_LAST_WORDS)
+
+    async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
+        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced)."""
+        if outcome.status is None:
+            return
+        claim, options = attempt.claim, attempt.job.options
+        then, not_before = _Then.DONE, 0
+        now_ms = _ms(self._clock.time())
+        if outcome.status == "interrupted":
+            then, not_before = _Then.HANDOVER, now_ms
+        elif outcome.retryable and claim.failures < options.retries:
+            backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
+            then, not_before = _Then.RETRY, now_ms + _ms(backoff)
+        end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
+        for tries in range(60):
+            try:
+                await self._finish(end)
+                break
+            except StoreError as exc:
+                _log.error(
+                    "%s slot %s: cannot record the end of attempt %s, retrying: %s",
+                    claim.job,
+                    claim.slot,
+                    claim.attempt,
+                    exc,
+                )
+                await asyncio.sleep(min(0.1 * 2**tries, 5.0))
+        self._poke()
+
+    async def _finish(self, end: _End) -> bool:
+        """Write an attempt's end. The ends of attempts that finish together are written in one
+        transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._ends.append((end, future))
+        if len(self._ends) == 1:
+            task = asyncio.get_running_loop().create_task(self._write_ends())
+            self._writers.add(task)
+            task.add_done_callback(self._writers.discard)
+        return await future
+
+    async def _write_ends(self) -> None:
+        await asyncio.sleep(0)  # the attempts ending in this turn of the loop join the batch
+        batch, self._ends = self._ends, []
+        try:
+            results = await self._link.call(lambda s: s.finish_many(self._instance, [end for end, _ in batch]))
+        except BaseException as exc:  # every waiting attempt gets it (a StoreError: each retries)
+            for _, future in batch:
+                _set_exception(future, exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            for (_, future), written in zip(batch, results):
+                _set_result(future, written)
+
+
+###############################################################################
+# Planning occurrences ########################################################
+###############################################################################
+
+_ON_TIME = 5.0  # seconds: an occurrence found later than this after its time was missed (downtime)
+_MISSED_RECORDS = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -4466,6 +3953,24 @@ class _Plan:
     next_slot: int | None
     run: bool
     missed: list[tuple[int, str | None]]
+
+
+def _ready(
+    jobs: dict[str, _Job], rows: list[_JobRow], now_ms: int, wait: float
+) -> tuple[list[tuple[_Job, _JobRow]], float]:
+    """The declared, unpaused jobs with an occurrence due by ``now_ms`` (each with its row), and
+    the seconds until the next occurrence of the others is due, at most ``wait``."""
+    ready: list[tuple[_Job, _JobRow]] = []
+    for row in rows:
+        job = jobs.get(row.name)
+        if job is None or row.paused:
+            continue
+        due = job.schedule.next_after(row.last_slot)
+        if due is not None and due <= now_ms:
+            ready.append((job, row))
+        elif due is not None:
+            wait = min(wait, (due - now_ms) / 1000)
+    return ready, wait
 
 
 def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
@@ -4508,6 +4013,13 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
     return _Plan(newest, schedule.next_after(newest), run, _missed_records(older, count))
 
 
+def _due(job: _Job, last_slot: int, now_ms: int) -> _Due:
+    """What the store is to record for ``job``'s occurrences after ``last_slot`` due by now."""
+    plan = _plan_due(job, last_slot, now_ms)
+    skip = job.options.overlap == "skip"
+    return _Due(job.name, last_slot, plan.slot, plan.next_slot, plan.missed, plan.run, skip, job.options.lease)
+
+
 def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]]:
     """Records for ``count`` missed occurrences, of which ``slots`` are the first ones."""
     kept = slots[:_MISSED_RECORDS]
@@ -4515,6 +4027,598 @@ def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]
     if count > len(kept) and records:
         records[-1] = (kept[-1], f"missed; {count - len(kept)} more occurrences were missed and not recorded")
     return records
+
+
+###############################################################################
+# The scheduler ###############################################################
+###############################################################################
+
+_CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
+_CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
+
+
+class Scheduler:
+    """Runs declared jobs from one SQLite file shared with other processes on this host, or from
+    one PostgreSQL database shared with processes on any host.
+
+    ``path`` is the database file (created on first use, mode 0600), or a ``postgresql://`` URL
+    (tables in the schema ``anarchon``, or the URL's ``?schema=NAME``; needs psycopg 3, the
+    ``postgres`` extra); ``instance`` a readable id
+    for this process (default: host, pid and a random suffix). Other keyword arguments are for
+    tests and tuning: ``clock`` (a ``Clock``), ``poll`` (look at the file this often, at most every
+    1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
+    per job), ``blocked_warning`` (seconds of a blocked event loop before a warning),
+    ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
+    it was; None leaves it alone), ``read_only`` (only look at the file, for ``status()`` and
+    ``history()``: a missing file is a ``StoreError``, nothing is created, and the file may be in a
+    directory this process cannot write; such a scheduler cannot run or change anything).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,  # type: ignore[type-arg]
+        *,
+        instance: str | None = None,
+        clock: Clock | None = None,
+        poll: float | None = None,
+        busy_timeout: float = 30.0,
+        retention: int = 1000,
+        blocked_warning: float = 1.0,
+        switch_interval: float | None = 0.0005,
+        read_only: bool = False,
+    ):
+        self.path = os.fspath(path)
+        self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
+        self._clock = clock or Clock()
+        self._poll = 0.5 if poll is None else min(poll, 1.0)
+        self._polling = poll is not None
+        self._busy_timeout = busy_timeout
+        if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
+            raise ConfigError(
+                f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention"
+            )
+        self._retention = retention
+        self._blocked_warning = blocked_warning
+        self._switch_interval = switch_interval
+        self._read_only = read_only
+        backend: _Backend = (
+            _Postgres(self.path, read_only, busy_timeout, retention)
+            if _is_postgres(self.path)
+            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
+        )
+        self._where = backend.where  # the database, as messages name it
+        self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
+        self._link = _StoreLink(backend)  #: the store, and every connection to it (``_link.backend``)
+        self._link.prepare = self._register
+        self.checkpoints = CheckpointStore(self._link, self._clock)
+        self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke)
+        self._attempts = self._runner.running  #: this process's running attempts, by (job, slot)
+        self._signal_tasks: set[asyncio.Task[None]] = set()
+        self._main: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._wake: asyncio.Future[None] | None = None
+        self._poked = False
+        self._written = False  # the file watch saw a write we may not see committed yet
+        self._backing_off = False  #: a look failed: sleep the back-off out whatever the file does
+        self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
+        self._heartbeats: _Heartbeats | None = None
+        self._clock_warned = False
+        self._dirty = True
+        self._rejoin = False
+        self._ready: asyncio.Event | None = None
+        self._idle = self._poll
+
+    # -- declaring jobs ---------------------------------------------------------------------------
+
+    def every(
+        self,
+        name: str,
+        interval: DurationLike,
+        handler: Handler | None = None,
+        *,
+        offset: DurationLike = 0,
+        **options: Any,
+    ) -> Any:
+        """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
+        seconds = parse_duration(interval, job=name, option="interval")
+        shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
+        return self._declare(name, _Every(seconds, shift), handler, options)
+
+    def cron(
+        self,
+        name: str,
+        expr: str,
+        handler: Handler | None = None,
+        *,
+        tz: None | str | _dt.tzinfo = None,
+        **options: Any,
+    ) -> Any:
+        """Run ``handler`` on a 5-field cron schedule in zone ``tz`` (default: the local zone)."""
+        if not isinstance(expr, str):
+            raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
+        return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
+
+    def rrule(
+        self,
+        name: str,
+        rule: str | _rrule.rrule,
+        handler: Handler | None = None,
+        *,
+        tz: None | str | _dt.tzinfo = None,
+        **options: Any,
+    ) -> Any:
+        """Run ``handler`` on an RFC 5545 recurrence rule (string or ``dateutil.rrule.rrule``)."""
+        zone = None if tz is None else _zone(tz, name)
+        return self._declare(name, _RRule(rule, zone, name), handler, options)
+
+    def _declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"job name must be a non-empty string, not {name!r}")
+        if not name.isprintable():
+            raise ConfigError(f"job name {name!r} has a line break or another control character")
+        if name in self._jobs:
+            raise ConfigError("a job with this name is already declared", job=name)
+        options = _options(name, given)
+
+        def register(function: Handler) -> Handler:
+            if not callable(function):
+                raise ConfigError(f"handler must be callable, not {function!r}", job=name)
+            if name in self._jobs:
+                raise ConfigError("a job with this name is already declared", job=name)
+            self._jobs[name] = _Job(name, schedule, function, options, _is_async(function))
+            self._link.prepared = False
+            return function
+
+        return register if handler is None else register(handler)
+
+    def upcoming(self, name: str, count: int = 5, after: _dt.datetime | None = None) -> list[_dt.datetime]:
+        """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now; a
+        naive datetime counts as UTC), as aware UTC datetimes. Pure schedule math: no database."""
+        job = self._job(name)
+        if after is None:
+            cursor = _ms(self._clock.time())
+        else:  # a naive datetime is taken as UTC, like every datetime this module returns
+            cursor = _ms_from_dt(after if after.tzinfo else after.replace(tzinfo=_UTC))
+        found = []
+        for _ in range(count):
+            following = job.schedule.next_after(cursor)
+            if following is None:
+                break
+            found.append(_utc_from_ms(following))
+            cursor = following
+        return found
+
+    def _job(self, name: str) -> _Job:
+        job = self._jobs.get(name)
+        if job is None:
+            raise ConfigError("no such job is declared", job=name)
+        return job
+
+    # -- the store ---------------------------------------------------------------------------------
+
+    async def _register(self, call: Callable[[Callable[[_Store], Any]], Awaitable[Any]]) -> None:
+        """Record this process's declarations in the store (``call`` runs on the store's thread),
+        before the first call on each connection and after the jobs changed."""
+        if not self._jobs:
+            return
+        now = _ms(self._clock.time())
+        jobs = [
+            _Declared(
+                job.name, job.schedule.description, now, job.schedule.next_after(now), job.definition, self.instance
+            )
+            for job in self._jobs.values()
+        ]
+        for row in await call(lambda s: s.register(jobs)):
+            self._disagree(row, "now holds this one's")
+
+    def _replace_jobs(self, jobs: dict[str, _Job]) -> None:
+        """Declare ``jobs`` instead of the current ones (a crontab read again), from the next look."""
+        self._jobs = jobs
+        self._link.prepared = False
+        self._poke()
+
+    def _disagree(self, row: _JobRow, outcome: str) -> None:
+        """Warn, once per definition, that another process declares a job of ours differently."""
+        job = self._jobs.get(row.name)
+        if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
+            return
+        self._disputes.add((row.name, row.definition))
+        _log.warning(
+            "job %r is declared differently by two processes: %s declares %r, this one (%s) %r; the file %s",
+            row.name,
+            row.declared_by or "another process",
+            row.definition,
+            self.instance,
+            job.definition,
+            outcome,
+        )
+
+    # -- control from any process ----------------------------------------------------------------
+
+    async def trigger(self, name: str) -> int:
+        """Record a run of ``name`` due now and return its slot (ms); a process declaring the job
+        runs it. Works whether or not this scheduler is running."""
+        now = _ms(self._clock.time())
+        slot = await self._link.call(lambda s: s.trigger(name, now))
+        self._poke()
+        return slot
+
+    async def pause(self, name: str) -> None:
+        """Stop scheduling ``name`` on every process (runs in progress carry on)."""
+        await self._set_paused(name, True)
+
+    async def resume(self, name: str) -> None:
+        """Restart the schedule of ``name``; occurrences during the pause are not run or recorded."""
+        await self._set_paused(name, False)
+
+    async def _set_paused(self, name: str, paused: bool) -> None:
+        now = _ms(self._clock.time())
+        if not await self._link.call(lambda s: s.set_paused(name, paused, now)):
+            raise ConfigError("no such job in the database", job=name)
+        self._poke()
+
+    async def cancel(self, name: str) -> int:
+        """Abort every unfinished run of ``name`` with ``Cancelled``, on whichever process holds it."""
+        now = _ms(self._clock.time())
+        count = await self._link.call(lambda s: s.cancel(name, now))
+        self._runner.abort(lambda job: Cancelled(f"{job}: cancelled"), name)
+        return count
+
+    async def history(self, job: str | None = None, limit: int = 100) -> list[RunRecord]:
+        """The newest ``limit`` records (of ``job``, or of every job), newest first."""
+        return await self._link.call(lambda s: s.history(job, limit))
+
+    async def status(self) -> list[JobStatus]:
+        """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
+        jobs, runs = await self._link.call(lambda s: (s.jobs(), s.runs()))
+        now_wall = self._clock.time()
+        result = []
+        for row in jobs:
+            declared = self._jobs.get(row.name)
+            following = declared.schedule.next_after(max(row.last_slot, _ms(now_wall))) if declared else row.next_slot
+            infos = tuple(_run_info(r, now_wall) for r in runs if r.job == row.name)
+            result.append(
+                JobStatus(
+                    row.name, row.schedule, row.paused, _dt_or_none(following), infos, row.definition, row.declared_by
+                )
+            )
+        return result
+
+    # -- running ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run the scheduler until ``stop()`` (or SIGTERM/SIGINT, when on the main thread)."""
+        if self._read_only:
+            raise ConfigError("a read-only scheduler only looks at the file: it cannot run", option="read_only")
+        self._stopping = False  # a stop from now on, even while starting, is kept
+        loop = asyncio.get_running_loop()
+        installed = []
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                try:
+                    loop.add_signal_handler(signum, self._on_signal, signum)
+                    installed.append(signum)
+                except (NotImplementedError, RuntimeError):
+                    pass
+        self._main = asyncio.current_task()
+        self._ready = asyncio.Event()
+        try:
+            await self._serve()
+        finally:
+            for signum in installed:
+                loop.remove_signal_handler(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        hurry = self._runner.hurry
+        if self._stopping and hurry is not None:
+            if not hurry.is_set():
+                _log.warning("received %s again: cutting the grace short", signal.Signals(signum).name)
+                hurry.set()
+            return
+        _log.info("received %s: stopping (again to cut the grace short)", signal.Signals(signum).name)
+        task = asyncio.get_running_loop().create_task(self.stop())
+        self._signal_tasks.add(task)
+        task.add_done_callback(self._signal_tasks.discard)
+
+    async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
+        """Start the scheduler in the background; returns once it has looked at the file once."""
+        self._stopping = False
+        self._ready = ready = asyncio.Event()
+        self._main = asyncio.get_running_loop().create_task(self._serve())
+        waiter = asyncio.ensure_future(ready.wait())
+        await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self._main.done():
+            self._main.result()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def stop(self, grace: DurationLike = 10.0) -> None:
+        """Stop claiming work, abort running handlers with ``Shutdown``, wait up to ``grace`` for
+        them, and hand their runs over to the next process (another live one takes them at once)."""
+        self._runner.grace = parse_duration(grace, option="grace")
+        self._stopping = True
+        self._runner.abort(lambda _job: Shutdown(f"{self.instance} is stopping"))
+        self._poke()
+        main = self._main
+        if main is not None and main is not asyncio.current_task():
+            await asyncio.wait({main})
+
+    def _poke(self) -> None:
+        """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
+        self._dirty = True
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        self._poked = self._written = True
+        if self._wake is not None:
+            _resolve(self._wake)
+
+    def _file_written(self) -> None:
+        """Another process (or this one) wrote the file. While backing off after a failure, this
+        waits for the back-off: the failing writes themselves touch the file."""
+        if self._backing_off:
+            self._written = True
+        else:
+            self._wake_up()
+
+    async def _join(self) -> bool:
+        """Record this process among the file's running instances; True if it is the only one."""
+        now_ms = _ms(self._clock.time())
+        alone = await self._link.call(lambda s: s.join(self.instance, now_ms))
+        self._rejoin = False
+        return alone
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
+        # connection that holds this process's lock), and no change after the join goes unseen.
+        loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self._polling))
+        self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
+        timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
+        self._heartbeats = heartbeats = _Heartbeats(
+            self._link.backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
+        )
+        self._runner.begin(
+            heartbeats, timers, _Watchdog(loop, timers, self._clock, self._blocked_warning, self._describe_block)
+        )
+        timers.start()
+        heartbeats.start()
+        self._link.held = True
+        try:
+            await self._join_first(loop_state)
+            self._poked = False
+            while not self._stopping:
+                self._poked = False  # a wake from now on means: look again after this tick
+                try:
+                    await self._tick(loop_state)
+                except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
+                    self._back_off(loop_state, exc)
+                else:
+                    if loop_state.failing is not None:
+                        _log.warning("%s can be used again", self._where)
+                        loop_state.failing = None
+                    loop_state.delay = 0.0
+                    self._backing_off = False
+                if self._ready is not None:
+                    self._ready.set()
+                await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
+            await self._runner.drain()
+        finally:
+            loop_state.watch.close()
+            timers.stop()
+            heartbeats.stop()
+            if self._link.open:
+                try:
+                    await self._link.call(lambda s: s.leave(self.instance))
+                except StoreError as exc:
+                    _log.warning("%s", exc)
+            self._link.held = False
+            self._link.close()
+
+    async def _join_first(self, state: _LoopState) -> None:
+        """Join the group; the first process of a group runs the jobs declared to run on start. A
+        server that cannot be reached yet is waited for (logged, with back-off); any other failure
+        to open the database is raised."""
+        now_ms = _ms(self._clock.time())
+        while not self._stopping:
+            try:
+                alone = await self._join()
+                break
+            except StoreError as exc:
+                if not exc.transient:
+                    raise
+                self._back_off(state, exc)
+                await self._sleep(state.delay)
+        else:
+            return
+        on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
+        if alone and on_start:
+            await self._link.call(lambda s: [s.trigger(name, now_ms) for name in on_start])
+
+    def _back_off(self, state: _LoopState, exc: Exception) -> None:
+        state.delay = min(max(state.delay * 2, self._poll), 5.0)
+        self._backing_off = True
+        self._log_failure(state, exc)
+
+    def _log_failure(self, state: _LoopState, exc: Exception) -> None:
+        """Log a failed look: at once when it fails differently, else once a minute at most."""
+        now = self._clock.monotonic()
+        if str(exc) != state.failing or now - state.logged >= 60.0:
+            _log.error(
+                "%s (looking again in %s)", exc, format_duration(state.delay), exc_info=not isinstance(exc, StoreError)
+            )
+            state.failing, state.logged = str(exc), now
+
+    async def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` on the loop's monotonic clock, or until ``_poke()``."""
+        loop = asyncio.get_running_loop()
+        if seconds > 0 and not self._poked:
+            self._wake = loop.create_future()
+            handle = loop.call_later(seconds, _resolve, self._wake)
+            try:
+                await self._wake
+            finally:
+                handle.cancel()
+                self._wake = None
+
+    # -- one look at the file ---------------------------------------------------------------------
+
+    async def _tick(self, state: _LoopState) -> None:
+        now = self._clock.time()
+        now_ms = _ms(now)
+        version = state.watch.version()  # microseconds on this thread; the store thread only on a change
+        change = state.watch.lost()
+        if change is not None:
+            await self._reopen(state, change)
+        if self._rejoin:
+            await self._join()
+        # inotify reports a WAL write a moment before its commit is visible: after a write with no
+        # visible change, look again after 5, 25, 125 and 625 ms.
+        written, self._written = self._written, False
+        if version != state.version:
+            state.recheck = 0.0
+        elif written:
+            state.recheck = 0.005
+        elif state.recheck:
+            state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
+        stale = state.watching and self._clock.monotonic() >= state.read_at + self._poll - 0.01
+        if version != state.version or state.runs is None or self._dirty or stale:
+            self._dirty = False
+            jobs, state.runs, newest = await self._link.call(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
+            state.read_at = self._clock.monotonic()
+            for row in jobs:
+                self._disagree(row, "holds that one's")
+            state.jobs = jobs
+            state.newest = newest or 0
+            state.version = version
+        if now_ms < state.newest - _CLOCK_SLACK_MS:
+            if not self._clock_warned:
+                _log.warning(
+                    "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
+                    "until it is corrected",
+                    _utc_from_ms(now_ms).isoformat(),
+                    self._where,
+                    _utc_from_ms(state.newest).isoformat(),
+                )
+                self._clock_warned = True
+            state.wait = self._idle
+            return
+        self._clock_warned = False
+        ready, wait = _ready(self._jobs, state.jobs or [], now_ms, min(self._idle, state.recheck or self._idle))
+        if ready:
+            await self._fire(ready, now_ms)
+            state.version = -1
+            wait = 0.0
+        state.watching = False
+        for run in state.runs or []:
+            again = await self._consider(run, now_ms, state)
+            if again is not None:
+                wait = min(wait, again)
+                if again == 0.0:
+                    state.version = -1
+        state.wait = wait
+
+    async def _reopen(self, state: _LoopState, change: str) -> None:
+        """The state this process used is gone from view, or its claim on its runs may be (``change``
+        says which): the database file was deleted or replaced, or the connection holding this
+        process's lock was lost. Abort the attempts, close every connection, and carry on with what
+        the path names now (a file created anew if none; the server once it is back)."""
+        _log.error("%s: aborting this process's running attempts and opening the database again", change)
+        self._runner.abort(lambda job: LeaseLost(f"{job}: {change}"))
+        state.watch.reset()
+        await self._link.disconnect()
+        if self._heartbeats is not None:
+            # No connection of this process may stay on the old file when the path is opened again:
+            # its -wal and -shm files keep their names, and a new connection would read them.
+            self._heartbeats.reopen()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._heartbeats.wait_closed, 5.0)
+        self._rejoin = True
+        self._dirty = True
+        state.version = -1
+        state.newest = 0
+
+    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> None:
+        """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
+        miss), all in one transaction."""
+        due = [_due(job, row.last_slot, now_ms) for job, row in ready]
+        claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
+        for (job, _row), claim in zip(ready, claims):
+            if isinstance(claim, _Claim):
+                self._runner.start(job, claim)
+
+    async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
+        """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
+        ``run`` was read at ``state.read_at`` (its ``lease_left`` is as of then).
+
+        Returns how many seconds from now the run needs another look (0 after a claim), or None.
+        """
+        mine = self._attempts.get((run.job, run.slot))
+        if mine is not None:
+            # The snapshot may predate our own claim; only a newer attempt means a takeover.
+            if run.attempt > mine.claim.attempt:
+                mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
+            elif run.cancel and run.attempt == mine.claim.attempt:
+                mine.token.abort(Cancelled(f"{run.job}: cancelled"))
+            return None
+        job = self._jobs.get(run.job)
+        if job is None or self._stopping:
+            return None
+        reason = ""
+        if run.state == "pending":
+            if run.not_before > now_ms:
+                return (run.not_before - now_ms) / 1000
+        else:
+            gone = state.watch.owner_gone(run)
+            left = (run.lease_left or 0.0) - (self._clock.monotonic() - state.read_at)
+            if gone is None and left >= 0:
+                # Watch the owner, and its lease: a store that judges owners only when it reads the
+                # runs has them read again at the next look.
+                state.watching = state.watching or not state.watch.fresh_liveness
+                return min(self._poll, left + 0.001)
+            reason = gone or "lease expired"
+        options = job.options
+        claim = await self._link.call(
+            lambda s: s.claim(
+                run, self.instance, options.lease, now_ms, options.max_attempts, options.overlap == "skip", reason
+            )
+        )
+        if claim is not None:
+            self._runner.start(job, claim)
+        return 0.0
+
+    def _describe_block(self, thread_id: int) -> str:
+        frame = sys._current_frames().get(thread_id)
+        handlers = {job.handler.__code__: job.name for job in self._jobs.values() if hasattr(job.handler, "__code__")}
+        innermost = None
+        job_name = None
+        while frame is not None:
+            if innermost is None and not frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)):
+                innermost = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if frame.f_code in handlers:
+                job_name = handlers[frame.f_code]
+                break
+            frame = frame.f_back
+        return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
+
+
+@dataclasses.dataclass
+class _LoopState:
+    watch: _Changes  # what the loop asks between transactions, on its own thread
+    version: int = -1
+    jobs: list[_JobRow] | None = None
+    runs: list[_RunRow] | None = None
+    newest: int = 0
+    wait: float = 0.0
+    delay: float = 0.0
+    recheck: float = 0.0  # after a write seen by the file watch: look again this soon
+    read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
+    watching: bool = False  # another process's run is watched with ``owner_gone`` as of that read
+    failing: str | None = None  # the error of the last look, while looks fail
+    logged: float = 0.0  # when it was last logged (monotonic)
 
 
 ###############################################################################
@@ -4935,9 +5039,7 @@ def _run_crontab(scheduler: Scheduler, path: str) -> None:
         except (ConfigError, OSError) as exc:
             _log.error("SIGHUP: keeping the current table: %s", exc)
             return
-        scheduler._jobs = fresh._jobs
-        scheduler._registered = False
-        scheduler._poke()
+        scheduler._replace_jobs(fresh._jobs)
         _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh._jobs))
 
     _serve(scheduler, reload)

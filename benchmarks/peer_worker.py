@@ -1,8 +1,11 @@
 """A peer scheduler process for the side-by-side benchmark (run inside the peer's own venv).
 
-``python peer_worker.py aps3|aps4 DB OUT SECONDS_IDLE``: a job every second, declared the same way by
-every process, as people deploy it under gunicorn; each run appends its scheduled second and
-lateness to OUT. With SECONDS_IDLE > 0 the process instead holds ten hourly jobs and nothing due.
+``python peer_worker.py aps3|aps4|aps4pg DB OUT SECONDS_IDLE [long]``: a job every second, declared the
+same way by every process, as people deploy it under gunicorn; each run appends its scheduled second
+and lateness to OUT. With SECONDS_IDLE > 0 the process instead holds ten hourly jobs and nothing due.
+With ``long``, one hourly job whose first run is due at ``$PEER_AT`` (epoch seconds) and lasts an hour:
+the run a takeover is measured on. ``aps4pg``: APScheduler 4 on PostgreSQL (DB is a
+``postgresql://`` URL), with its asyncpg event broker.
 """
 
 import asyncio
@@ -15,6 +18,7 @@ import time
 
 KIND, DB, OUT = sys.argv[1:4]
 IDLE = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+LONG = sys.argv[5:6] == ["long"]
 
 
 def record(scheduled: float) -> None:
@@ -34,6 +38,11 @@ async def tick_aps4() -> None:
     from apscheduler import current_job
 
     record(current_job.get().scheduled_fire_time.timestamp())
+
+
+async def long_aps4() -> None:
+    await tick_aps4()
+    await asyncio.sleep(3600)
 
 
 def hourly() -> None:
@@ -71,9 +80,25 @@ def run_aps4() -> None:
     from apscheduler.triggers.interval import IntervalTrigger
 
     async def main() -> None:
-        store = SQLAlchemyDataStore(f"sqlite+aiosqlite:///{DB}")
-        async with AsyncScheduler(store) as scheduler:
-            if IDLE:
+        if KIND == "aps4pg":
+            from apscheduler.eventbrokers.asyncpg import AsyncpgEventBroker
+            from sqlalchemy.ext.asyncio import create_async_engine
+
+            engine = create_async_engine(DB.replace("postgresql://", "postgresql+asyncpg://", 1))
+            store, broker = SQLAlchemyDataStore(engine), AsyncpgEventBroker.from_async_sqla_engine(engine)
+            opened = AsyncScheduler(store, broker)
+        else:
+            opened = AsyncScheduler(SQLAlchemyDataStore(f"sqlite+aiosqlite:///{DB}"))
+        async with opened as scheduler:
+            if LONG:
+                at = dt.datetime.fromtimestamp(float(os.environ["PEER_AT"]), dt.timezone.utc)
+                await scheduler.add_schedule(
+                    long_aps4,
+                    IntervalTrigger(hours=1, start_time=at),
+                    id="long",
+                    conflict_policy=ConflictPolicy.do_nothing,
+                )
+            elif IDLE:
                 for i in range(10):
                     await scheduler.add_schedule(
                         hourly, IntervalTrigger(hours=1), id=f"hourly-{i}", conflict_policy=ConflictPolicy.replace

@@ -341,10 +341,10 @@ class PostgresActivity:
     """The transactions and the rows written in one database of the server, from its statistics
     (read from another database, so that reading them counts nothing)."""
 
-    def __init__(self, server: Any):
+    def __init__(self, server: Any, name: str = "idle"):
         import psycopg
 
-        self.database = f"idle_{os.getpid()}"
+        self.database = f"{name}_{os.getpid()}"
         self._url = server.url()
         with psycopg.connect(self._url, autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {self.database}")
@@ -458,10 +458,10 @@ def measure(args: argparse.Namespace) -> int:
     print("start lateness: done", flush=True)
     results["idle"] = idle.result(60.0 if quick else 600.0)
     results["switch_interval_cost"] = switch_cost(2.0 if quick else 5.0)
-    if not args.no_peers and STORE["server"] is None:  # (APScheduler on PostgreSQL: not yet measured)
+    if not args.no_peers:
         from peers import run_peers
 
-        results["peers"] = run_peers(results, quick)
+        results["peers"] = run_peers(results, quick, STORE["server"], PostgresActivity)
     report(results)
     if args.json:
         with open(args.json, "w") as handle:
@@ -516,10 +516,19 @@ def report(results: dict[str, Any]) -> None:
         if "error" in r:
             print(f"peer {name}: not measured: {r['error']}")
         else:
-            print(
+            line = (
                 f"peer {name:<14} runs {r['runs']:>4}, duplicates {r['duplicates']:>4}, lateness p50 "
                 f"{r['lateness_p50_ms']:.1f} ms p99 {r['lateness_p99_ms']:.1f} ms, idle {r['idle_cpu_s_per_hour']:.2f} CPU s/h"
             )
+            if "idle_queries_per_hour" in r:
+                line += f", {r['idle_queries_per_hour']:.0f} idle queries/h"
+            if "takeover" in r or "kill9_s" in r:
+                taken, window = (
+                    r.get("takeover", {}).get("kill9_s", r.get("kill9_s")),
+                    r.get("takeover", {}).get("window_s"),
+                )
+                line += f", kill -9 takeover {f'not within {window:.0f} s' if taken is None else f'{taken:.3f} s'}"
+            print(line)
 
 
 if __name__ == "__main__":

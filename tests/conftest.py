@@ -180,5 +180,5 @@ class FaultyBackend(anarchon_lite._Backend):
 
 def inject(scheduler, **around):
     """Run the named store methods of ``scheduler`` through ``around`` (before it runs)."""
-    scheduler._backend = FaultyBackend(scheduler._backend, around)
+    scheduler._link.backend = FaultyBackend(scheduler._link.backend, around)
     return scheduler

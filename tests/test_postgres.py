@@ -91,7 +91,7 @@ def test_a_terminated_session_aborts_the_owner_at_once_and_another_process_takes
 
 
 def _identity(scheduler):
-    return scheduler._backend._identity
+    return scheduler._link.backend._identity
 
 
 def _has(s, job, record):
