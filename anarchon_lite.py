@@ -1177,8 +1177,12 @@ class _Backend(abc.ABC):
         on the loop; None if there can be none."""
 
     @abc.abstractmethod
-    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
-        """The loop's view of changes; with ``poll``, ``on_change`` is never called."""
+    def changes(
+        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
+    ) -> _Changes:
+        """The loop's view of changes, for the scheduler ``instance`` of this process (open from
+        before it joins until it has left); with ``poll``, ``on_change`` is never called for
+        other processes' writes."""
 
 
 ###############################################################################
@@ -2104,17 +2108,192 @@ class _FileWatch:
         os.close(self._fd)
 
 
+def _live_name(owner: _Owner) -> str:
+    """The name of ``owner``'s liveness socket: one scheduler instance of one process (a reused pid,
+    or the same instance name in a later process, names another)."""
+    key = "\0".join(str(part) for part in (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id))
+    return "p-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass
+class _Watched:
+    """A connection to another process's liveness socket."""
+
+    sock: socket.socket | None  #: None once the owner's socket closed (or before any connection)
+    pid: int
+    ended: bool = False  #: the kernel closed the owner's socket while connected
+    asked: float = 0.0  #: when (``time.monotonic``) a run of this owner was last asked about
+
+
+class _Liveness:
+    """Owners' deaths as the kernel tells them, the moment they happen, on one host.
+
+    While it serves, each scheduler listens on a unix socket of its own in the directory beside the
+    database (``jobs.db-live/``); nothing is ever accepted. A process watching one of its runs
+    connects once; when the owner's process ends, however it ends (``kill -9`` included), the
+    kernel closes the listening socket, the watcher's connection turns readable, the loop is woken
+    (``on_change``) and the owner is gone. No ``/proc`` is needed, so it holds across pid namespaces
+    (containers sharing the volume). A frozen owner keeps its socket open: its lease decides. An
+    owner whose socket cannot be found (a directory it could not write) is judged as before:
+    ``/proc`` and the lease. One descriptor per watched owner, closed when it ends or is not
+    asked about for ``_FORGET`` seconds; no thread.
+    """
+
+    _FORGET = 60.0
+
+    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]):
+        self._dir = _real_path(path) + "-live"
+        self._loop, self._on_change = loop, on_change
+        self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
+        self._listener: socket.socket | None = None
+        self._own: tuple[str, int] | None = None  # our socket's name and inode
+        self._watched: dict[str, _Watched] = {}
+        self._forgot = time.monotonic()
+
+    def _where(self, name: str) -> str:
+        path = os.path.join(self._dir, name)
+        if len(path.encode()) < 100 or self._dir_fd is None:
+            return path
+        return f"/proc/self/fd/{self._dir_fd}/{name}"
+
+    def _open_dir(self) -> bool:
+        if self._dir_fd is None:
+            try:
+                os.makedirs(self._dir, mode=0o700, exist_ok=True)
+                self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                return False
+        return True
+
+    def listen(self, me: _Owner) -> None:
+        """Listen as ``me`` (before joining: a run of ours is never recorded before the socket is
+        there), and sweep away the sockets of processes that have ended."""
+        if not hasattr(socket, "AF_UNIX") or not self._open_dir():
+            return
+        name = _live_name(me)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            fresh = self._where(f"{name}.new")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fresh)
+            listener.bind(fresh)
+            listener.listen(socket.SOMAXCONN)
+            os.replace(fresh, self._where(name))  # a name that exists is always listened on
+            self._own = (name, os.stat(self._where(name)).st_ino)
+        except OSError as exc:
+            listener.close()
+            _log.debug("no liveness socket in %s: %s", self._dir, exc)
+            return
+        self._listener = listener
+        self._sweep(name)
+
+    def _sweep(self, own: str) -> None:
+        try:
+            names = [n for n in os.listdir(self._dir) if n.startswith("p-") and "." not in n and n != own]
+        except OSError:
+            return
+        for name in names:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            try:
+                probe.connect(self._where(name))
+            except ConnectionRefusedError:  # nobody listens: its process ended
+                with contextlib.suppress(OSError):
+                    os.unlink(self._where(name))
+            except OSError:
+                pass
+            finally:
+                probe.close()
+
+    def gone(self, owner: _Owner) -> str | None:
+        """Why ``owner``'s process has ended, by its socket; None while it may be alive."""
+        if self._dir_fd is None and not self._open_dir():
+            return None
+        now = time.monotonic()
+        if now - self._forgot > self._FORGET / 4:
+            self._forget(now)
+        name = _live_name(owner)
+        watched = self._watched.setdefault(name, _Watched(None, owner.pid))
+        watched.asked = now
+        if watched.sock is not None:
+            return None
+        # (again after an end: a later scheduler of the same instance name in the same process
+        # listens on the same name, and its runs are its own)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            sock.connect(self._where(name))
+        except ConnectionRefusedError:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._where(name))
+            return f"owner process {owner.pid} exited (nothing listens on its liveness socket)"
+        except FileNotFoundError:
+            sock.close()
+            return f"owner process {owner.pid} exited (its liveness socket closed)" if watched.ended else None
+        except OSError:
+            sock.close()
+            return None
+        watched.sock = sock
+        self._loop.add_reader(sock.fileno(), self._ended, name)
+        return None
+
+    def _ended(self, name: str) -> None:
+        watched = self._watched.get(name)
+        if watched is None or watched.sock is None:
+            return
+        self._drop(watched)
+        watched.ended = True
+        self._on_change()
+
+    def _drop(self, watched: _Watched) -> None:
+        if watched.sock is not None:
+            self._loop.remove_reader(watched.sock.fileno())
+            watched.sock.close()
+            watched.sock = None
+
+    def _forget(self, now: float) -> None:
+        self._forgot = now
+        for name, watched in list(self._watched.items()):
+            if now - watched.asked > self._FORGET:
+                self._drop(watched)
+                del self._watched[name]
+
+    def close(self) -> None:
+        """Stop listening (our socket's name is removed) and watching."""
+        for watched in self._watched.values():
+            self._drop(watched)
+        self._watched.clear()
+        if self._listener is not None and self._own is not None:
+            name, inode = self._own
+            with contextlib.suppress(OSError):
+                if os.stat(self._where(name)).st_ino == inode:  # (not a later listener's of the same name)
+                    os.unlink(self._where(name))
+            self._listener.close()
+            self._listener = self._own = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+
 class _SQLiteChanges(_Changes):
     """Changes to an SQLite file: ``on_change`` from inotify on the real file's directory (every
     commit appends to the ``-wal``); ``version()`` is one ``PRAGMA data_version`` (microseconds);
     ``lost()`` compares the file at the path with the one opened. No inotify (or ``poll``): not
-    ``pushed``."""
+    ``pushed``. Owners are judged by two witnesses: their liveness sockets (``_Liveness``) and
+    ``/proc``; either one saying that the process ended is enough."""
 
     def __init__(
-        self, path: str, clock: Clock, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool
+        self,
+        path: str,
+        clock: Clock,
+        loop: asyncio.AbstractEventLoop,
+        on_change: Callable[[], None],
+        poll: bool,
+        instance: str,
     ):
         self._store: _SQLiteStore = _SQLiteStore(path, busy_timeout=0.05, clock=clock)
         self._files = None if poll else _FileWatch.start(path, loop, on_change)
+        self._live = _Liveness(path, loop, on_change)
+        self._live.listen(_this_owner(instance))
 
     @property
     def pushed(self) -> bool:
@@ -2131,7 +2310,9 @@ class _SQLiteChanges(_Changes):
         return None if change is None else f"the database file {self._store.path} was {change} while in use"
 
     def owner_gone(self, run: _RunRow) -> str | None:
-        return self._store.owner_gone(run)
+        if run.owner_pid is None:
+            return None
+        return self._live.gone(run.holder()) or self._store.owner_gone(run)
 
     def reset(self) -> None:
         self._store.close()
@@ -2139,6 +2320,7 @@ class _SQLiteChanges(_Changes):
     def close(self) -> None:
         if self._files is not None:
             self._files.close()
+        self._live.close()
         self._store.close()
 
 
@@ -2167,8 +2349,10 @@ class _SQLite(_Backend):
     def fallback(self) -> _Store:  # never waits for the lock
         return _SQLiteStore(self.path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False, clock=self._clock)
 
-    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
-        return _SQLiteChanges(self.path, self._clock, loop, on_change, poll)
+    def changes(
+        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
+    ) -> _Changes:
+        return _SQLiteChanges(self.path, self._clock, loop, on_change, poll, instance)
 
 
 ###############################################################################
@@ -2882,7 +3066,9 @@ class _Postgres(_Backend):
     def fallback(self) -> _AsyncRenewal:
         return _PGLoopRenewal(self._target, asyncio.get_running_loop())
 
-    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool) -> _Changes:
+    def changes(
+        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
+    ) -> _Changes:
         return _PGChanges(self._target, self._identity, loop, on_change)
 
 
@@ -4441,7 +4627,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
         # connection that holds this process's lock), and no change after the join goes unseen.
-        loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self._polling))
+        loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self._polling, self.instance))
         self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
         timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = heartbeats = _Heartbeats(

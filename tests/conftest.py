@@ -174,8 +174,8 @@ class FaultyBackend(anarchon_lite._Backend):
         store = self.inner.fallback()
         return None if store is None else _Wrapped(store, self.around)
 
-    def changes(self, loop, on_change, poll):
-        return self.inner.changes(loop, on_change, poll)
+    def changes(self, loop, on_change, poll, instance):
+        return self.inner.changes(loop, on_change, poll, instance)
 
 
 def inject(scheduler, **around):

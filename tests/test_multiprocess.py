@@ -195,6 +195,21 @@ def owner_of(procs, attempt=1):
 
 
 def test_kill_9_is_taken_over_from_the_checkpoint_within_2_s(procs):
+    kill_9_is_taken_over(procs)
+
+
+@pytest.mark.sqlite_only
+def test_kill_9_in_another_pid_namespace_is_taken_over_within_2_s(tmp_path, store):
+    """The owner runs in a pid namespace of its own (a container sharing the file's volume): no
+    ``/proc`` look reaches it, its liveness socket tells."""
+    isolated = Processes(store, str(tmp_path / "events.jsonl"), isolated=True)
+    try:
+        kill_9_is_taken_over(isolated)
+    finally:
+        isolated.close()
+
+
+def kill_9_is_taken_over(procs):
     start_all(procs, "export", 2, lease=30.0)
     slot = trigger(procs.db, "export")
     owner = owner_of(procs)
@@ -234,8 +249,11 @@ def test_sigstop_past_the_lease_is_taken_over_and_fenced(procs):
     owner = owner_of(procs)
     procs.wait(lambda e: e["event"] == "saved" and e["after"] >= 3, what="progress")
     os.kill(owner, signal.SIGSTOP)
+    stopped_at = time.time()
     try:
         second = procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 2, what="takeover", timeout=20)
+        # a frozen owner is alive: its run waits for the lease (renewed every 2/3 s, so >= 1.3 s left)
+        assert second["t"] - stopped_at > 1.2
         procs.wait(lambda e: e["event"] == "saved" and e["attempt"] == 2, what="new attempt progress")
     finally:
         os.kill(owner, signal.SIGCONT)

@@ -1,5 +1,6 @@
 """The SQLite store: schema, errors that name the file, atomic claims, fencing, locks, full disk."""
 
+import asyncio
 import os
 import sqlite3
 import stat
@@ -8,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run
+from conftest import run, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler, StoreError
@@ -229,3 +230,69 @@ def test_many_processes_creating_one_file_at_once(tmp_path):
         code = f"import sys; sys.path.insert(0, {root!r}); import anarchon_lite as al; al._SQLiteStore({path!r}).data_version()"
         procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(6)]
         assert [p.wait(timeout=60) for p in procs] == [0] * 6
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_liveness_sockets_tell_an_ended_owner_at_once_and_keep_no_descriptor_behind(tmp_path):
+    db = str(tmp_path / "jobs.db")
+    me = al._this_owner("")
+
+    def owner(name, **changed):
+        return al.dataclasses.replace(me, instance=name, **changed)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+        start = _fds()
+        watcher = al._Liveness(db, loop, woken.set)
+        watcher.listen(owner("watcher"))
+        owners = {}
+        for i in range(20):
+            owners[i] = al._Liveness(db, loop, lambda: None)
+            owners[i].listen(owner(f"o{i}"))
+        before = _fds()
+        assert all(watcher.gone(owner(f"o{i}")) is None for i in owners)  # alive: connected once each
+        assert _fds() == before + 20
+        assert watcher.gone(owner("o0")) is None and _fds() == before + 20  # asked again: no new descriptor
+        # the same pid started at another time (a reused pid), or an owner that never listened: unknown
+        assert watcher.gone(owner("o1", start=(me.start or 0) + 1)) is None
+        assert watcher.gone(owner("never")) is None
+
+        for i in range(10):  # these end cleanly (their names are removed) ...
+            owners.pop(i).close()
+        for i in range(10, 15):  # ... these as a kill -9 leaves them: the socket closed, its name left
+            dead = owners.pop(i)
+            dead._listener.close()
+            os.close(dead._dir_fd)
+        await asyncio.wait_for(woken.wait(), 5)
+        await wait_for(lambda: all(watcher.gone(owner(f"o{i}")) for i in range(15)), message="every end seen")
+        assert "exited" in watcher.gone(owner("o3")) and "exited" in watcher.gone(owner("o12"))
+        assert all(watcher.gone(owner(f"o{i}")) is None for i in range(15, 20))
+        # a later scheduler of the same instance name in the same process is alive again
+        again = al._Liveness(db, loop, lambda: None)
+        again.listen(owner("o3"))
+        assert watcher.gone(owner("o3")) is None
+        again.close()
+        # the watcher removed the names the killed ones left; a new listener sweeps away the others
+        folder = str(tmp_path / "jobs.db-live")
+        assert len(os.listdir(folder)) == 1 + 5  # the watcher's and the live ones'
+        unwatched = al._Liveness(db, loop, lambda: None)
+        unwatched.listen(owner("unwatched"))
+        unwatched._listener.close()
+        os.close(unwatched._dir_fd)
+        assert len(os.listdir(folder)) == 1 + 5 + 1
+        sweeper = al._Liveness(db, loop, lambda: None)
+        sweeper.listen(owner("sweeper"))
+        assert len(os.listdir(folder)) == 1 + 5 + 1  # the unwatched one's name gone, the sweeper's there
+        sweeper.close()
+        for live in owners.values():
+            live.close()
+        await wait_for(lambda: all(watcher.gone(owner(f"o{i}")) for i in range(20)), message="every end seen")
+        watcher.close()
+        assert _fds() == start  # every socket and directory closed
+        assert os.listdir(folder) == []
+
+    run(main())
