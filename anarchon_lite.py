@@ -58,7 +58,7 @@ import threading
 import time
 import traceback
 import zoneinfo
-from collections.abc import Awaitable, Coroutine, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator, Sequence
 from typing import (
     Any,
     Callable,
@@ -1305,6 +1305,7 @@ class _SQLStore(_Store):
 
     _SQL_RUNS = _SQL_RUNS
     _SQL_FINISH_ATTEMPT = ""  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id)
+    _renewal = staticmethod(_renewal)  # the statement that renews leases (PostgreSQL has its own)
 
     @abc.abstractmethod
     def _owner(self) -> _Owner:
@@ -1445,7 +1446,7 @@ class _SQLStore(_Store):
     # -- an attempt's writes (fenced) -------------------------------------------------------------
 
     def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
-        if self._autocommit(*_renewal(owner, claims)) == len(claims):
+        if self._autocommit(*self._renewal(owner, claims)) == len(claims):
             return []
         return [c for c in claims if not self._read(_SQL_IS_HELD, (c.job, c.slot, c.attempt, owner))]
 
@@ -2487,6 +2488,26 @@ def _pg_sql(sql: str) -> str:
     return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql.replace("?", "%s"))
 
 
+# A renewal is one text whatever the number of attempts (arrays, not a row of VALUES each), so it is
+# prepared once on each connection: the heartbeat thread's on first use, the loop's as it connects.
+_PG_SQL_RENEW_ALL = (
+    "UPDATE runs SET lease_until = lease_clock() + lease WHERE owner = ? AND state = 'running' "
+    "AND (job, slot, attempt) IN (SELECT * FROM unnest(CAST(? AS TEXT[]), CAST(? AS BIGINT[]), CAST(? AS INTEGER[])))"
+)
+
+
+def _pg_array(values: Iterable[object]) -> str:
+    """A PostgreSQL array literal of ``values``, each element quoted."""
+    quoted = ('"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"' for value in values)
+    return "{" + ",".join(quoted) + "}"
+
+
+def _pg_renewal(owner: str, claims: Sequence[_Claim]) -> tuple[str, list[Any]]:
+    """As ``_renewal``, in one text for any number of claims."""
+    columns = ((c.job for c in claims), (c.slot for c in claims), (c.attempt for c in claims))
+    return _PG_SQL_RENEW_ALL, [owner, *(_pg_array(column) for column in columns)]
+
+
 @functools.cache
 def _pg_numbered(sql: str) -> bytes:
     """A statement of this file with libpq's numbered placeholders (``$1``...), as bytes."""
@@ -2630,6 +2651,7 @@ class _PGStore(_SQLStore):
 
     _SQL_FINISH_ATTEMPT = _PG_FINISH_ATTEMPT
     _SQL_RUNS = _PG_RUNS
+    _renewal = staticmethod(_pg_renewal)
 
     def __init__(
         self, target: _PGTarget, identity: _PGIdentity, *, read_only: bool = False, busy_timeout: float = 30.0
@@ -2967,21 +2989,27 @@ class _PGLoopRenewal(_AsyncRenewal):
         self._raw: Any = None
         self._lock = threading.Lock()
 
+    _RENEW = b"anarchon_renew"
+
     def connect(self) -> None:
-        """Open the connection (off the loop: it waits for the server)."""
+        """Open the connection and prepare the renewal on it (off the loop: both wait for the server)."""
         with self._lock:
             if self._raw is None or self._raw.closed:
-                self._raw = self._target.connect(self._psycopg)
+                raw = self._target.connect(self._psycopg)
+                prepared = raw.pgconn.prepare(self._RENEW, _pg_numbered(_PG_SQL_RENEW_ALL))
+                if prepared.status != self._psycopg.pq.ExecStatus.COMMAND_OK:
+                    raw.close()
+                    raise self._psycopg.errors.error_from_result(prepared)
+                self._raw = raw
 
     def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim] | Awaitable[list[_Claim]]:
         raw = self._raw
         if raw is None or raw.closed:
             threading.Thread(target=self._connect_quietly, name="anarchon-connect", daemon=True).start()
             raise StoreError(self._target.shown, "the loop's renewal connection is not open yet", transient=True)
-        sql, args = _renewal(owner, claims)
+        _sql, args = _pg_renewal(owner, claims)
         with self._failures():
-            # (not prepared: preparing waits for the server, which the loop must never do unbounded)
-            raw.pgconn.send_query_params(_pg_numbered(sql), [None if a is None else str(a).encode() for a in args])
+            raw.pgconn.send_query_prepared(self._RENEW, [str(a).encode() for a in args])
             if self._answered(raw.pgconn, time.monotonic() + self._BLOCK):
                 return self._judge(raw.pgconn, len(claims))
         return self._later(raw.pgconn, len(claims))
@@ -3570,9 +3598,19 @@ class _Job:
     options: _Options
     is_async: bool
     definition: str = ""  # what another process declaring the job must agree on: the schedule (and command)
+    #: The watermark last asked about and the first occurrence after it: each look asks again, and
+    #: a cron schedule's next occurrence costs tens of microseconds.
+    _next: tuple[int, int | None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.definition = self.definition or self.schedule.description
+
+    def next_due(self, last_slot: int) -> int | None:
+        """The first occurrence after ``last_slot``, computed once per watermark."""
+        cached = self._next
+        if cached is None or cached[0] != last_slot:
+            cached = self._next = (last_slot, self.schedule.next_after(last_slot))
+        return cached[1]
 
 
 def _is_async(function: Handler) -> bool:
@@ -4207,22 +4245,35 @@ class _Plan:
     missed: list[tuple[int, str | None]]
 
 
-def _ready(
-    jobs: dict[str, _Job], rows: list[_JobRow], now_ms: int, wait: float
-) -> tuple[list[tuple[_Job, _JobRow]], float]:
-    """The declared, unpaused jobs with an occurrence due by ``now_ms`` (each with its row), and
-    the seconds until the next occurrence of the others is due, at most ``wait``."""
-    ready: list[tuple[_Job, _JobRow]] = []
-    for row in rows:
-        job = jobs.get(row.name)
-        if job is None or row.paused:
-            continue
-        due = job.schedule.next_after(row.last_slot)
-        if due is not None and due <= now_ms:
-            ready.append((job, row))
-        elif due is not None:
-            wait = min(wait, (due - now_ms) / 1000)
-    return ready, wait
+class _Agenda:
+    """The declared, unpaused jobs of one read of the job rows, in the order they come due: a look
+    that read nothing new finds what is due in time that grows with what is due, not with what is
+    declared."""
+
+    def __init__(self, jobs: dict[str, _Job], rows: list[_JobRow]):
+        self.jobs, self.rows = jobs, rows  #: what it was made from (the scheduler's and the store's)
+        self.count = len(jobs)
+        entries: list[tuple[int, str, _Job, _JobRow]] = []
+        for row in rows:
+            job = jobs.get(row.name)
+            due = None if job is None or row.paused else job.next_due(row.last_slot)
+            if job is not None and due is not None:
+                entries.append((due, row.name, job, row))
+        entries.sort(key=lambda entry: (entry[0], entry[1]))
+        self._due = [entry[0] for entry in entries]
+        self._entries = [(job, row) for _, _, job, row in entries]
+
+    def current(self, jobs: dict[str, _Job], rows: list[_JobRow]) -> bool:
+        """Whether it was made from these declarations and rows."""
+        return jobs is self.jobs and len(jobs) == self.count and rows is self.rows
+
+    def ready(self, now_ms: int, wait: float) -> tuple[list[tuple[_Job, _JobRow]], float]:
+        """The jobs with an occurrence due by ``now_ms`` (each with its row), and the seconds until
+        the next occurrence of the others is due, at most ``wait``."""
+        count = bisect.bisect_right(self._due, now_ms)
+        if count < len(self._due):
+            wait = min(wait, (self._due[count] - now_ms) / 1000)
+        return self._entries[:count], wait
 
 
 def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
@@ -4239,7 +4290,7 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
     count = 0
     newest: int | None = None
     jumped = False
-    cursor = schedule.next_after(last_slot)
+    cursor = job.next_due(last_slot)
     while cursor is not None and cursor <= now_ms:
         if newest is not None:
             count += 1
@@ -4524,11 +4575,17 @@ class Scheduler:
         """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
         jobs, runs = await self._link.call(lambda s: (s.jobs(), s.runs()))
         now_wall = self._clock.time()
+        now_ms = _ms(now_wall)
+        runs_of: dict[str, list[_RunRow]] = {}
+        for run in runs:
+            runs_of.setdefault(run.job, []).append(run)
         result = []
         for row in jobs:
             declared = self._jobs.get(row.name)
-            following = declared.schedule.next_after(max(row.last_slot, _ms(now_wall))) if declared else row.next_slot
-            infos = tuple(_run_info(r, now_wall) for r in runs if r.job == row.name)
+            following = row.next_slot if declared is None else declared.next_due(row.last_slot)
+            if declared is not None and following is not None and following <= now_ms:  # due: the one after now
+                following = declared.schedule.next_after(now_ms)
+            infos = tuple(_run_info(r, now_wall) for r in runs_of.get(row.name, ()))
             result.append(
                 JobStatus(
                     row.name, row.schedule, row.paused, _dt_or_none(following), infos, row.definition, row.declared_by
@@ -4759,7 +4816,10 @@ class Scheduler:
             state.wait = self._idle
             return
         self._clock_warned = False
-        ready, wait = _ready(self._jobs, state.jobs or [], now_ms, min(self._idle, state.recheck or self._idle))
+        rows = state.jobs or []
+        if state.agenda is None or not state.agenda.current(self._jobs, rows):
+            state.agenda = _Agenda(self._jobs, rows)
+        ready, wait = state.agenda.ready(now_ms, min(self._idle, state.recheck or self._idle))
         if ready:
             await self._fire(ready, now_ms)
             state.version = -1
@@ -4862,6 +4922,7 @@ class _LoopState:
     watch: _Changes  # what the loop asks between transactions, on its own thread
     version: int = -1
     jobs: list[_JobRow] | None = None
+    agenda: _Agenda | None = None  # ``jobs`` in the order they come due
     runs: list[_RunRow] | None = None
     newest: int = 0
     wait: float = 0.0

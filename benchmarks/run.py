@@ -464,7 +464,7 @@ def main() -> int:
     parser.add_argument("--plot", help="draw a PNG to this file")
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
-    parser.add_argument("--only", choices=("takeover",), help="measure only this section")
+    parser.add_argument("--only", choices=("takeover", "scale"), help="measure only this section")
     args = parser.parse_args()
     if args.store == "postgresql":
         import pgserver
@@ -490,6 +490,34 @@ def takeovers_section(quick: bool) -> dict[str, Any]:
     return section
 
 
+def scale(seconds: float) -> list[dict[str, Any]]:
+    """One process holding 10, 1,000 and 10,000 jobs (``every`` and cron), none of them due while it
+    is measured: start, CPU per look and per hour, ``status()`` and ``history(limit=20)``."""
+    results = []
+    for count in (10, 1_000, 10_000):
+        for kind in ("every", "cron"):
+            with tempfile.TemporaryDirectory() as folder:
+                db = location(folder)
+                out = subprocess.run(
+                    [sys.executable, os.path.join(HERE, "_scale.py"), db, str(count), kind, str(seconds)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout
+                results.append(json.loads(out.strip().splitlines()[-1]))
+            print(f"scale {count} {kind}: done", flush=True)
+    return results
+
+
+def report_scale(rows: list[dict[str, Any]]) -> None:
+    print("\njobs    kind   start s  CPU/look ms  idle CPU s/h  status ms  history ms")
+    for r in rows:
+        print(
+            f"{r['jobs']:<7} {r['kind']:<6} {r['start_s']:>7.3f}  {r['cpu_per_look_ms'] or 0:>11.2f}"
+            f"  {r['idle_cpu_s_per_hour']:>12.2f}  {r['status_ms']:>9.1f}  {r['history_ms']:>10.1f}"
+        )
+
+
 def report_takeover(t: dict[str, Any]) -> None:
     print()
     for key, what in [
@@ -509,9 +537,13 @@ def report_takeover(t: dict[str, Any]) -> None:
 def measure(args: argparse.Namespace) -> int:
     quick = args.quick
     results: dict[str, Any] = {"machine": machine()}
-    if args.only == "takeover":
-        results["takeover"] = takeovers_section(quick)
-        report_takeover(results["takeover"])
+    if args.only is not None:
+        if args.only == "takeover":
+            results["takeover"] = takeovers_section(quick)
+            report_takeover(results["takeover"])
+        else:
+            results["scale"] = scale(20.0 if quick else 60.0)
+            report_scale(results["scale"])
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(results, handle, indent=1)

@@ -1076,3 +1076,57 @@ def test_calls_outside_a_run_leave_no_thread_or_connection_behind(db):
         )
 
     run(main())
+
+
+@pytest.mark.sqlite_only  # (the scheduler's part: with poll= it looks every 20 ms on SQLite)
+def test_a_look_computes_a_jobs_next_occurrence_once_per_watermark(db):
+    """Each look asks every job when it is next due; a cron schedule computes that once per
+    occurrence, not once per look (thousands of jobs: the cost of a look would grow with them)."""
+    calls = []
+
+    async def main():
+        s = make(db)  # a look every 20 ms
+        s.cron("nightly", "0 3 * * *", lambda ctx: None)
+        schedule = s._jobs["nightly"].schedule
+        original = schedule.next_after
+
+        def counted(ms):
+            calls.append(ms)
+            return original(ms)
+
+        schedule.next_after = counted
+        looks = []
+        tick = s._tick
+
+        async def counted_tick(state):
+            looks.append(1)
+            await tick(state)
+
+        s._tick = counted_tick
+        async with s:
+            await wait_for(lambda: len(looks) >= 20, message="twenty looks")
+            assert (await s.status())[0].next_at is not None
+        return len(looks)
+
+    looks = run(main())
+    assert looks >= 20 and len(calls) <= 3, f"{len(calls)} computations in {looks} looks"
+
+
+def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed(db):
+    names = ['we"ird, {name}\\', "plain"]
+
+    async def main():
+        s = make(db)
+        for name in names:
+            s.every(name, "24h", offset=QUIET, lease="0.5s", handler=lambda ctx: time.sleep(1.6))
+        async with s:
+            for name in names:
+                await s.trigger(name)
+            for name in names:
+                await wait_for(lambda name=name: has(s, name, "succeeded"), message=f"{name} to succeed")
+            lost = s._heartbeats.lateness.lost
+        for name in names:
+            assert [(a, st) for _, a, st in await statuses(s, name)] == [(1, "succeeded")]
+        assert lost == 0
+
+    run(main())
