@@ -2121,7 +2121,6 @@ class _Watched:
     """A connection to another process's liveness socket."""
 
     sock: socket.socket | None  #: None once the owner's socket closed (or before any connection)
-    pid: int
     ended: bool = False  #: the kernel closed the owner's socket while connected
     asked: float = 0.0  #: when (``time.monotonic``) a run of this owner was last asked about
 
@@ -2213,7 +2212,7 @@ class _Liveness:
         if now - self._forgot > self._FORGET / 4:
             self._forget(now)
         name = _live_name(owner)
-        watched = self._watched.setdefault(name, _Watched(None, owner.pid))
+        watched = self._watched.setdefault(name, _Watched(None))
         watched.asked = now
         if watched.sock is not None:
             return None
@@ -2612,7 +2611,7 @@ class _PGPrepared:
     """Statements run through libpq as prepared statements of their connection: a renewal then
     costs the server no parsing or planning (a third of its round trip on a nearby server)."""
 
-    _KEEP = 64  # statements prepared per connection at most (a renewal's text varies with its rows)
+    _KEEP = 64  # statements prepared per connection at most (a few run this way: renewals, progress, groups)
 
     def __init__(self, psycopg: Any):
         self._psycopg = psycopg
