@@ -2206,7 +2206,7 @@ class _Liveness:
 
     def gone(self, owner: _Owner) -> str | None:
         """Why ``owner``'s process has ended, by its socket; None while it may be alive."""
-        if self._dir_fd is None and not self._open_dir():
+        if not self._open_dir():
             return None
         now = time.monotonic()
         if now - self._forgot > self._FORGET / 4:
@@ -2618,24 +2618,18 @@ class _PGPrepared:
         self._on: Any = None  #: the libpq connection the names below were prepared on
         self._names: dict[str, bytes] = {}
 
-    def _name(self, pgconn: Any, sql: str) -> tuple[bytes | None, Any]:
-        """The statement's name on ``pgconn`` (None: not prepared), or the failed preparation's result."""
+    def run(self, pgconn: Any, sql: str, params: list[bytes | None]) -> Any:
+        """Run ``sql`` (one call, the GIL let go while it waits; the first time on a connection, a
+        preparation before it); its libpq result, or the failed preparation's."""
         if self._on is not pgconn:
             self._on, self._names = pgconn, {}
         name = self._names.get(sql)
         if name is None and len(self._names) < self._KEEP:
-            name = b"anarchon_%d" % len(self._names)
-            result = pgconn.prepare(name, _pg_numbered(sql))
-            if result.status != self._psycopg.pq.ExecStatus.COMMAND_OK:
-                return None, result
-            self._names[sql] = name
-        return name, None
-
-    def run(self, pgconn: Any, sql: str, params: list[bytes | None]) -> Any:
-        """Run ``sql`` (one call, the GIL let go while it waits); its libpq result."""
-        name, failed = self._name(pgconn, sql)
-        if failed is not None:
-            return failed
+            fresh = b"anarchon_%d" % len(self._names)
+            prepared = pgconn.prepare(fresh, _pg_numbered(sql))
+            if prepared.status != self._psycopg.pq.ExecStatus.COMMAND_OK:
+                return prepared
+            name = self._names[sql] = fresh
         return pgconn.exec_params(_pg_numbered(sql), params) if name is None else pgconn.exec_prepared(name, params)
 
 
@@ -3650,11 +3644,14 @@ class _StoreLink:
     (on that thread, through the ``call`` it is given) before the first call on a connection and
     again after ``prepared`` was cleared: the scheduler records its declarations there."""
 
-    def __init__(self, backend: _Backend):
-        self.backend = backend
+    def __init__(
+        self,
+        backend: _Backend,
+        prepare: Callable[[Callable[[Callable[[_Store], Any]], Awaitable[Any]]], Awaitable[None]],
+    ):
+        self.backend, self.prepare = backend, prepare
         self.held = False  #: the scheduler runs: the thread and its connection stay between calls
         self.prepared = False  #: ``prepare`` ran on this connection since the declarations changed
-        self.prepare: Callable[[Callable[[Callable[[_Store], Any]], Awaitable[Any]]], Awaitable[None]] | None = None
         self._thread: _StoreThread | None = None
 
     @property
@@ -3668,7 +3665,7 @@ class _StoreLink:
             self._thread = _StoreThread(self.backend.main())
         thread = self._thread
         try:
-            if not self.prepared and self.prepare is not None:
+            if not self.prepared:
                 await self.prepare(thread.call)
                 self.prepared = True
             return await thread.call(work)
@@ -4390,8 +4387,7 @@ class Scheduler:
         )
         self._where = backend.where  # the database, as messages name it
         self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
-        self._link = _StoreLink(backend)  #: the store, and every connection to it (``_link.backend``)
-        self._link.prepare = self._register
+        self._link = _StoreLink(backend, self._register)  #: the store, and every connection to it (``_link.backend``)
         self.checkpoints = CheckpointStore(self._link, self._clock)
         self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke)
         self._attempts = self._runner.running  #: this process's running attempts, by (job, slot)

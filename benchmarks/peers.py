@@ -49,17 +49,6 @@ def postgres_databases(server: Any) -> Database:
     return create
 
 
-class Activity:
-    """The benchmark's ``PostgresActivity`` (``make``) on a database of its own, at ``url``."""
-
-    def __init__(self, server: Any, make: Any, purpose: str):
-        self._stats = make(server, f"peer_{purpose}")
-        self.url = str(server.url(self._stats.database))
-
-    def read(self) -> tuple[int, int]:
-        return self._stats.read()  # type: ignore[no-any-return]
-
-
 def venv_python(name: str, requirements: list[str]) -> str:
     folder = os.path.join(VENVS, name)
     python = os.path.join(folder, "bin", "python")
@@ -141,8 +130,8 @@ def idle_cpu(
     pythons: dict[str, tuple[str, str]], seconds: float, database: Database, activity: Any = None
 ) -> dict[str, dict[str, float]]:
     """CPU seconds per hour of one idle process of each peer, all measured over the same ``seconds``;
-    on PostgreSQL also the transactions an hour in its own database (``activity``: the benchmark's
-    ``PostgresActivity``, given the database's name)."""
+    on PostgreSQL also the transactions an hour in its own database (``activity``: makes the benchmark's
+    ``PostgresActivity`` for a purpose: a database of its own, its ``url`` and its counters)."""
     with tempfile.TemporaryDirectory() as folder:
         procs: dict[str, subprocess.Popen[str]] = {}
         stats: dict[str, Any] = {}
@@ -230,7 +219,7 @@ def run_peers(results: dict[str, Any], quick: bool, server: Any = None, activity
             peers[name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"peer {name}: done", flush=True)
     try:
-        named = None if server is None else (lambda purpose: Activity(server, activity, purpose))
+        named = None if server is None else (lambda purpose: activity(server, f"peer_{purpose}"))
         for name, figures in idle_cpu(pythons, idle_seconds, database, named).items():
             peers[name].update(figures)
             peers[name]["idle_cpu_resolution_s_per_hour"] = 3600 / os.sysconf("SC_CLK_TCK") / idle_seconds
