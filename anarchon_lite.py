@@ -251,6 +251,14 @@ class Clock:
 SystemClock = Clock
 
 
+def _pause(seconds: float) -> None:
+    """Sleep, in a thread of the store. Not ``time.sleep``: from Python 3.11 on it sleeps until an
+    instant of the monotonic clock (``clock_nanosleep`` with ``TIMER_ABSTIME``), which libfaketime
+    with ``FAKETIME_DONT_FAKE_MONOTONIC`` (a wrong wall clock, the way a box that boots without one is
+    tried) refuses with ``EINVAL``; a relative timeout in ``select`` sleeps the same everywhere."""
+    select.select((), (), (), max(seconds, 0.0))
+
+
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
@@ -1904,7 +1912,7 @@ class _SQLiteStore(_SQLStore):
                 return
             if time.monotonic() > deadline:
                 raise StoreError(self.path, f"cannot switch to WAL mode (got {mode})")
-            time.sleep(0.01)
+            _pause(0.01)
 
     def _create_schema(self, conn: sqlite3.Connection) -> None:
         """Create the schema in a new file, or migrate an older one in place (one transaction)."""
@@ -1987,7 +1995,7 @@ class _SQLiteStore(_SQLStore):
                     raise StoreError(self.path, _explain(exc)) from None
             except sqlite3.Error as exc:
                 raise StoreError(self.path, _explain(exc)) from None
-            time.sleep(self._lock_poll)
+            _pause(self._lock_poll)
 
     # -- running processes ------------------------------------------------------------------------
 
@@ -2721,7 +2729,7 @@ class _PGStore(_SQLStore):
                 except self._psycopg.Error as exc:
                     if getattr(exc, "sqlstate", None) not in _PG_RETRY or time.monotonic() > deadline:
                         raise
-                    time.sleep(pause * random.random())
+                    _pause(pause * random.random())
                     pause = min(pause * 2, 0.1)
 
         if again:
@@ -2754,7 +2762,7 @@ class _PGStore(_SQLStore):
                     self._conn is not None or time.monotonic() > deadline
                 ):  # the connection is fine: the statement failed
                     raise error from None
-            time.sleep(pause)
+            _pause(pause)
             pause = min(pause * 2, 1.0)
 
     def _autocommit(self, sql: str, args: Sequence[Any]) -> int:

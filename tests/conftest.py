@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import threading
 import time
@@ -18,6 +19,22 @@ import anarchon_lite
 # scheduled one (an hourly job would, when a test runs across the top of an hour).
 # Worked out once and handed down to the worker processes, whose clocks may be set otherwise (faketime).
 QUIET = int(os.environ.setdefault("ANARCHON_TEST_QUIET", str((int(time.time()) // 3600 + 12) % 24 * 3600)))
+
+
+# libfaketime itself (the faketime wrapper names a semaphore by pid, which collides across pid
+# namespaces). A test that needs it skips without it, unless ``$ANARCHON_REQUIRE_FAKETIME`` (CI).
+FAKETIME = next(iter(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")), None)
+needs_faketime = pytest.mark.skipif(
+    FAKETIME is None and not os.environ.get("ANARCHON_REQUIRE_FAKETIME"), reason="no libfaketime (apt install faketime)"
+)
+
+
+def wall_clock_ahead(offset: str = "+1h") -> list[str]:
+    """The command prefix that runs a process with its wall clock moved by ``offset`` and its
+    monotonic clock left alone, as on a host whose clock is wrong (faking the monotonic clock too
+    makes libfaketime stretch every timed wait of the process by the offset)."""
+    assert FAKETIME, "libfaketime is required (apt install faketime)"
+    return ["env", f"LD_PRELOAD={FAKETIME}", f"FAKETIME={offset}", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
 
 
 class ManualClock(anarchon_lite.Clock):

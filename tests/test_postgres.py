@@ -3,7 +3,6 @@ restarts, the schema, and psycopg as an optional import. (Its behaviour as a sto
 suites that take the ``store`` fixture.)"""
 
 import asyncio
-import glob
 import json
 import logging
 import os
@@ -13,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import QUIET, run, wait_for
+from conftest import QUIET, needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -248,13 +247,7 @@ def test_a_partitioned_owner_loses_its_run_after_the_lease_and_its_writes_are_re
         proxy.close()
 
 
-# libfaketime itself (the faketime wrapper names a semaphore by pid, which collides across pid namespaces)
-FAKETIME = next(iter(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")), None)
-
-
-@pytest.mark.skipif(
-    FAKETIME is None and not os.environ.get("ANARCHON_REQUIRE_POSTGRES"), reason="no libfaketime (apt install faketime)"
-)
+@needs_faketime
 def test_hosts_whose_clocks_are_an_hour_apart_agree_on_leases(url, tmp_path):
     """Two of three workers run with their clocks an hour ahead (faketime), each in a pid namespace
     of its own. The owner is one of them; while it renews, nobody takes its run over, though one
@@ -262,10 +255,7 @@ def test_hosts_whose_clocks_are_an_hour_apart_agree_on_leases(url, tmp_path):
     by the server's clock. Leases stamped on the owner's clock would take an hour."""
     from test_multiprocess import Processes
 
-    assert FAKETIME, "libfaketime is required (apt install faketime)"
-    # The wall clock an hour ahead; the monotonic clock left alone, as on a real host (faking it too
-    # makes libfaketime stretch every timed wait of the process by the offset).
-    ahead = ["env", f"LD_PRELOAD={FAKETIME}", "FAKETIME=+1h", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+    ahead = wall_clock_ahead("+1h")
     procs = Processes(url, str(tmp_path / "events.jsonl"), isolated=True)
     try:
         owner = procs.start("export", 1.0, prefix=ahead)

@@ -4,12 +4,14 @@ import asyncio
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run, wait_for
+from conftest import needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler, StoreError
@@ -179,6 +181,39 @@ def test_lock_held_past_the_busy_timeout_is_a_store_error(db):
         assert info.value.path == db
     finally:
         holder.execute("ROLLBACK")
+
+
+@needs_faketime
+def test_a_write_waiting_for_the_lock_under_a_faked_wall_clock_waits_and_tells_the_lock(db):
+    """A heartbeat's write looks for the lock itself, pausing between tries. In a process under
+    libfaketime (a box whose clock is wrong) ``time.sleep`` fails with EINVAL from Python 3.11 on:
+    such a pause killed the heartbeat (and, on PostgreSQL, a scheduler racing another at start)."""
+    s = store(db)
+    claim = claim_due(s, OWNER)
+    s.close()
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    script = (
+        "import sys, anarchon_lite as al\n"
+        "s = al._SQLiteStore(sys.argv[1], busy_timeout=0.3, lock_poll=0.01)\n"
+        "try:\n"
+        f"    s.renew_all({OWNER!r}, [al._Claim({claim.job!r}, {claim.slot}, {claim.attempt})])\n"
+        "except al.StoreError as exc:\n"
+        "    print('StoreError:', exc)\n"
+    )
+    try:
+        done = subprocess.run(
+            [*wall_clock_ahead("+1h"), sys.executable, "-c", script, db],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(al.__file__).parent,
+        )
+    finally:
+        holder.execute("ROLLBACK")
+    assert done.returncode == 0, done.stderr
+    assert "StoreError:" in done.stdout and "locked" in done.stdout, done.stdout
 
 
 def test_missed_records_and_watermark_are_one_transaction(db):

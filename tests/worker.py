@@ -12,6 +12,7 @@ import asyncio
 import faulthandler
 import json
 import os
+import select
 import signal
 import sys
 import time
@@ -35,7 +36,7 @@ def host_pid():
         return os.getpid()
     deadline = time.monotonic() + 20
     while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.01)
+        select.select((), (), (), 0.01)  # (not time.sleep: libfaketime breaks it, see anarchon_lite._pause)
     with open(path) as handle:
         return int(handle.read())
 
