@@ -815,6 +815,7 @@ class _JobRow:
     next_slot: int | None
     definition: str | None = None  # what the process that registered it last declared
     declared_by: str | None = None  # that process's instance
+    changed: int = 0  # the change number of the row's last write (see _SQL_NEXT_CHANGE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -956,8 +957,11 @@ class _Store(abc.ABC):
         changed. Returns the rows, as they were, of jobs another process had declared differently."""
 
     @abc.abstractmethod
-    def jobs(self) -> list[_JobRow]:
-        """Every job, ordered by name."""
+    def jobs(self, since: int = -1) -> list[_JobRow]:
+        """The jobs whose rows changed after the change number ``since`` (every job by default),
+        ordered by name. Change numbers grow in the order the writes commit, so a reader that keeps the
+        newest number it read and passes it next time misses no change (a row that is deleted is
+        not reported)."""
 
     def job(self, name: str) -> _JobRow | None:
         """The job ``name``, or None."""
@@ -1201,21 +1205,32 @@ class _Backend(abc.ABC):
 # ``?`` and ``:name`` placeholders (the PostgreSQL connection translates them). ``lease_clock()`` is a
 # function each store defines: the clock its leases are stamped and compared on, in seconds.
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
+# Every write to a job row gives it the next change number (``changed``; writers take turns, so the
+# numbers are handed out in commit order): a process re-reads only the rows changed since the newest
+# number it has seen, not every job. A new declaration of the same schedule and definition is no change.
+_SQL_NEXT_CHANGE = "(SELECT COALESCE(MAX(changed), 0) + 1 FROM jobs)"
 _SQL_REGISTER = (
-    "INSERT INTO jobs (name, schedule, last_slot, next_slot, definition, declared_by) "
-    "VALUES (:name, :schedule, :last_slot, :next_slot, :definition, :declared_by) ON CONFLICT (name) DO UPDATE SET "
+    "INSERT INTO jobs (name, schedule, last_slot, next_slot, definition, declared_by, changed) "
+    f"VALUES (:name, :schedule, :last_slot, :next_slot, :definition, :declared_by, {_SQL_NEXT_CHANGE}) "
+    "ON CONFLICT (name) DO UPDATE SET "
     "next_slot = CASE WHEN jobs.schedule != excluded.schedule OR jobs.next_slot IS NULL THEN excluded.next_slot "
     "ELSE jobs.next_slot END, "
+    "changed = CASE WHEN jobs.schedule = excluded.schedule AND jobs.next_slot IS NOT NULL "
+    f"AND COALESCE(jobs.definition, '') = COALESCE(excluded.definition, '') THEN jobs.changed ELSE {_SQL_NEXT_CHANGE} END, "
     "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
 )
-_SQL_JOB_COLUMNS = "name, schedule, paused, last_slot, next_slot, definition, declared_by"
+_SQL_JOB_COLUMNS = "name, schedule, paused, last_slot, next_slot, definition, declared_by, changed"
 _SQL_JOB = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE name = ?"
-_SQL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs ORDER BY name"
+# (in the order of the index on ``changed``: ordered by name, SQLite would read every row to find them)
+_SQL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE changed > ? ORDER BY changed"
 _SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
-_SQL_ADVANCE = "UPDATE jobs SET last_slot = ?, next_slot = ? WHERE name = ? AND last_slot = ?"
+_SQL_ADVANCE = (
+    f"UPDATE jobs SET last_slot = ?, next_slot = ?, changed = {_SQL_NEXT_CHANGE} WHERE name = ? AND last_slot = ?"
+)
 _SQL_SET_PAUSED = (
-    "UPDATE jobs SET paused = ?, last_slot = CASE WHEN last_slot > ? THEN last_slot ELSE ? END WHERE name = ?"
+    "UPDATE jobs SET paused = ?, last_slot = CASE WHEN last_slot > ? THEN last_slot ELSE ? END, "
+    f"changed = {_SQL_NEXT_CHANGE} WHERE name = ?"
 )
 _SQL_RUN_COLUMNS = (
     "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
@@ -1286,7 +1301,7 @@ _SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
 
 
 def _job_row(row: Sequence[Any]) -> _JobRow:
-    return _JobRow(row[0], row[1], bool(row[2]), row[3], row[4], row[5], row[6])
+    return _JobRow(row[0], row[1], bool(row[2]), row[3], row[4], row[5], row[6], row[7])
 
 
 def _run_row(row: Sequence[Any]) -> _RunRow:
@@ -1345,7 +1360,7 @@ class _SQLStore(_Store):
 
     def register(self, jobs: Sequence[_Declared]) -> list[_JobRow]:
         def work(conn: Any) -> list[_JobRow]:
-            before = {row.name: row for row in map(_job_row, conn.execute(_SQL_JOBS))}
+            before = {row.name: row for row in map(_job_row, conn.execute(_SQL_JOBS, (-1,)))}
             conn.executemany(_SQL_REGISTER, [dataclasses.asdict(job) for job in jobs])
             return [
                 row
@@ -1355,8 +1370,8 @@ class _SQLStore(_Store):
 
         return self._write(work)
 
-    def jobs(self) -> list[_JobRow]:
-        return [_job_row(r) for r in self._read(_SQL_JOBS)]
+    def jobs(self, since: int = -1) -> list[_JobRow]:
+        return sorted(map(_job_row, self._read(_SQL_JOBS, (since,))), key=lambda row: row.name)
 
     def job(self, name: str) -> _JobRow | None:
         rows = self._read(_SQL_JOB, (name,))
@@ -1562,8 +1577,10 @@ _SCHEMA = (
         last_slot INTEGER NOT NULL,
         next_slot INTEGER,
         definition TEXT,
-        declared_by TEXT
+        declared_by TEXT,
+        changed INTEGER NOT NULL DEFAULT 0
     )""",
+    "CREATE INDEX IF NOT EXISTS jobs_by_change ON jobs (changed)",
     # One row per unfinished occurrence: waiting to be claimed, or running under a lease.
     """CREATE TABLE IF NOT EXISTS runs (
         job TEXT NOT NULL,
@@ -1622,7 +1639,14 @@ _SCHEMA = (
     )""",
 )
 # From each earlier version to the next, in place and in one transaction with the version change.
-# Every step only adds, so a process of the previous version still running on the file keeps working.
+# Every step only adds, so a process of the previous version still running on the file keeps working
+# (a job row it inserts has change number 0: the full read a process makes every ``_FULL_READ``
+# seconds finds it).
+_MIGRATE_TO_CHANGE_NUMBERS = (
+    "ALTER TABLE jobs ADD COLUMN changed BIGINT NOT NULL DEFAULT 0",
+    "UPDATE jobs SET changed = 1",
+    "CREATE INDEX jobs_by_change ON jobs (changed)",
+)
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE checkpoints ADD COLUMN attempt INTEGER",),
     3: (
@@ -1630,6 +1654,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE jobs ADD COLUMN declared_by TEXT",
         "ALTER TABLE runs ADD COLUMN process_group TEXT",
     ),
+    4: _MIGRATE_TO_CHANGE_NUMBERS,
 }
 
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
@@ -2384,8 +2409,10 @@ _PG_SCHEMA = (
         last_slot BIGINT NOT NULL,
         next_slot BIGINT,
         definition TEXT,
-        declared_by TEXT
+        declared_by TEXT,
+        changed BIGINT NOT NULL DEFAULT 0
     )""",
+    "CREATE INDEX jobs_by_change ON jobs (changed)",
     """CREATE TABLE runs (
         job TEXT NOT NULL,
         slot BIGINT NOT NULL,
@@ -2463,6 +2490,7 @@ _PG_SCHEMA = (
     FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
     $$""",
 )
+_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {4: _MIGRATE_TO_CHANGE_NUMBERS}  # as _MIGRATIONS
 _PG_COMEBACK = 60  # seconds
 _PG_RECONNECT = 5.0  # seconds a call waits for a lost connection to be made again (a fast restart takes 1-2)
 _PG_VERSION = "SELECT version FROM meta"
@@ -2819,11 +2847,11 @@ def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> None:
     """Create the schema on first use (one process at a time: a transaction-level advisory lock),
     or check that it is of a version this module knows."""
     tables = f"{target.schema}.meta"
-    if raw.execute(_pg_sql(_PG_SCHEMA_EXISTS), (tables,)).fetchone()[0]:
-        version = int(raw.execute(_PG_VERSION).fetchone()[0])
-    elif read_only:
+    exists = raw.execute(_pg_sql(_PG_SCHEMA_EXISTS), (tables,)).fetchone()[0]
+    version = int(raw.execute(_PG_VERSION).fetchone()[0]) if exists else 0
+    if version == 0 and read_only:
         raise StoreError(target.shown, f"no anarchon_lite schema {target.schema!r} in this database")
-    else:
+    if version < SCHEMA_VERSION and not read_only:
         with raw.transaction():
             raw.execute(target.format("SELECT pg_advisory_xact_lock({space}, 0)"))
             raw.execute(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"')
@@ -2832,6 +2860,13 @@ def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> None:
                     raw.execute(target.format(statement))
                 raw.execute("INSERT INTO meta (version) VALUES (%s)", (SCHEMA_VERSION,))
             version = int(raw.execute(_PG_VERSION).fetchone()[0])
+            if version < SCHEMA_VERSION:
+                _log.info("%s: migrating the schema from version %s to %s", target.shown, version, SCHEMA_VERSION)
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    for statement in _PG_MIGRATIONS[step]:
+                        raw.execute(target.format(statement))
+                raw.execute("UPDATE meta SET version = %s", (SCHEMA_VERSION,))
+            version = SCHEMA_VERSION
     if version > SCHEMA_VERSION:
         raise StoreError(
             target.shown,
@@ -3262,12 +3297,17 @@ class _Heartbeats(threading.Thread):
             now = self._clock.monotonic()
             attempt.valid_until = time.monotonic() + attempt.lease
             self._attempts[id(attempt)] = attempt
-            first = now + attempt.renew_every  # (sooner than the next round, if its lease is shorter)
-            self._due = first if self._due is None else min(self._due, first)
-            self._cond.notify()
-        if self._loop_timer is not None:
-            self._loop_timer.cancel()
-        self._on_loop()
+            first = now + attempt.renew_every
+            # Only a round sooner than the one planned wakes the thread and moves the loop's timer:
+            # the planned round renews the attempt in time (and the timer checks its expiry first).
+            sooner = self._due is None or first < self._due
+            if sooner:
+                self._due = first
+                self._cond.notify()
+        if sooner:
+            if self._loop_timer is not None:
+                self._loop_timer.cancel()
+            self._on_loop()
 
     def stop(self) -> None:
         """Stop renewing (call on the event loop's thread)."""
@@ -4038,8 +4078,10 @@ class _Runner:
     ):
         self._link, self._clock, self._instance = link, clock, instance
         self._checkpoints = checkpoints
-        self._poke = poke  #: called after an end was written: the scheduler looks again
+        self._poke = poke  #: called after an end that leaves the run to be claimed: the scheduler looks again
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
+        #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
+        self.ended: set[tuple[str, int, int]] = set()
         self.tasks: set[asyncio.Task[None]] = set()  #: one per running attempt
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
@@ -4107,6 +4149,7 @@ class _Runner:
             attempt.done = True
             self._watchdog.release()
             self.running.pop((claim.job, claim.slot), None)
+            self.ended.add((claim.job, claim.slot, claim.attempt))
         await self._settle(attempt, outcome)
 
     def _context(self, attempt: _Attempt) -> RunContext:
@@ -4205,7 +4248,8 @@ class _Runner:
                     exc,
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
-        self._poke()
+        if then is not _Then.DONE:
+            self._poke()
 
     async def _finish(self, end: _End) -> bool:
         """Write an attempt's end. The ends of attempts that finish together are written in one
@@ -4250,33 +4294,51 @@ class _Plan:
 
 
 class _Agenda:
-    """The declared, unpaused jobs of one read of the job rows, in the order they come due: a look
-    that read nothing new finds what is due in time that grows with what is due, not with what is
-    declared."""
+    """The job rows as this process last read them, and the declared, unpaused jobs among them in
+    the order they come due: a look finds what is due in time that grows with what is due, and a
+    read that brings a few changed rows moves only those, not with what is declared."""
 
-    def __init__(self, jobs: dict[str, _Job], rows: list[_JobRow]):
-        self.jobs, self.rows = jobs, rows  #: what it was made from (the scheduler's and the store's)
+    def __init__(self, jobs: dict[str, _Job], rows: Iterable[_JobRow]):
+        self.jobs = jobs  #: the declarations it was made for (the scheduler's)
         self.count = len(jobs)
-        entries: list[tuple[int, str, _Job, _JobRow]] = []
-        for row in rows:
-            job = jobs.get(row.name)
-            due = None if job is None or row.paused else job.next_due(row.last_slot)
-            if job is not None and due is not None:
-                entries.append((due, row.name, job, row))
-        entries.sort(key=lambda entry: (entry[0], entry[1]))
-        self._due = [entry[0] for entry in entries]
-        self._entries = [(job, row) for _, _, job, row in entries]
+        self.rows: dict[str, _JobRow] = {row.name: row for row in rows}  #: every row, by job name
+        self.seen = max((row.changed for row in self.rows.values()), default=0)  #: the newest change number read
+        entries = sorted(entry for row in self.rows.values() if (entry := self._entry(row)) is not None)
+        self._keys = [key for key, _ in entries]  # (due, name), ascending
+        self._entries = [entry for _, entry in entries]
+        self._due: dict[str, int] = {key[1]: key[0] for key in self._keys}
 
-    def current(self, jobs: dict[str, _Job], rows: list[_JobRow]) -> bool:
-        """Whether it was made from these declarations and rows."""
-        return jobs is self.jobs and len(jobs) == self.count and rows is self.rows
+    def _entry(self, row: _JobRow) -> tuple[tuple[int, str], tuple[_Job, _JobRow]] | None:
+        job = self.jobs.get(row.name)
+        due = None if job is None or row.paused else job.next_due(row.last_slot)
+        return None if job is None or due is None else ((due, row.name), (job, row))
+
+    def current(self, jobs: dict[str, _Job]) -> bool:
+        """Whether it was made for these declarations."""
+        return jobs is self.jobs and len(jobs) == self.count
+
+    def update(self, rows: Iterable[_JobRow]) -> None:
+        """Take in rows read again (changed, or read whole)."""
+        for row in rows:
+            self.rows[row.name] = row
+            self.seen = max(self.seen, row.changed)
+            due = self._due.pop(row.name, None)
+            if due is not None:
+                at = bisect.bisect_left(self._keys, (due, row.name))
+                del self._keys[at], self._entries[at]
+            entry = self._entry(row)
+            if entry is not None:
+                at = bisect.bisect_left(self._keys, entry[0])
+                self._keys.insert(at, entry[0])
+                self._entries.insert(at, entry[1])
+                self._due[row.name] = entry[0][0]
 
     def ready(self, now_ms: int, wait: float) -> tuple[list[tuple[_Job, _JobRow]], float]:
         """The jobs with an occurrence due by ``now_ms`` (each with its row), and the seconds until
         the next occurrence of the others is due, at most ``wait``."""
-        count = bisect.bisect_right(self._due, now_ms)
-        if count < len(self._due):
-            wait = min(wait, (self._due[count] - now_ms) / 1000)
+        count = bisect.bisect_left(self._keys, (now_ms + 1,))
+        if count < len(self._keys):
+            wait = min(wait, (self._keys[count][0] - now_ms) / 1000)
         return self._entries[:count], wait
 
 
@@ -4342,6 +4404,10 @@ def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]
 
 _CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
+_FULL_READ = 600.0  # seconds between reads of every job row (between them, only the changed ones)
+# After a look that fired occurrences, the next look waits this long (seconds), whatever wakes it: at
+# thousands of occurrences a minute, each look fires several together instead of one at a time.
+_LOOK_GAP = 0.01
 
 
 class Scheduler:
@@ -4717,6 +4783,9 @@ class Scheduler:
                 if self._ready is not None:
                     self._ready.set()
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
+                busy = loop_state.busy_until - self._clock.monotonic()
+                if busy > 0 and not self._stopping:  # what comes due meanwhile is fired together
+                    await asyncio.sleep(busy)
             await self._runner.drain()
         finally:
             loop_state.watch.close()
@@ -4799,12 +4868,7 @@ class Scheduler:
         stale = state.watching and self._clock.monotonic() >= state.read_at + self._poll - 0.01
         if version != state.version or state.runs is None or self._dirty or stale:
             self._dirty = False
-            jobs, state.runs, newest = await self._link.call(lambda s: (s.jobs(), s.runs(), s.newest_slot()))
-            state.read_at = self._clock.monotonic()
-            for row in jobs:
-                self._disagree(row, "holds that one's")
-            state.jobs = jobs
-            state.newest = newest or 0
+            await self._read(state)
             state.version = version
         if now_ms < state.newest - _CLOCK_SLACK_MS:
             if not self._clock_warned:
@@ -4819,12 +4883,14 @@ class Scheduler:
             state.wait = self._idle
             return
         self._clock_warned = False
-        rows = state.jobs or []
-        if state.agenda is None or not state.agenda.current(self._jobs, rows):
-            state.agenda = _Agenda(self._jobs, rows)
-        ready, wait = state.agenda.ready(now_ms, min(self._idle, state.recheck or self._idle))
+        agenda = state.agenda
+        assert agenda is not None, "made by the first read"
+        if not agenda.current(self._jobs):
+            state.agenda = agenda = _Agenda(self._jobs, agenda.rows.values())
+        ready, wait = agenda.ready(now_ms, min(self._idle, state.recheck or self._idle))
         if ready:
-            await self._fire(ready, now_ms)
+            state.busy_until = self._clock.monotonic() + _LOOK_GAP
+            state.moved = await self._fire(ready, now_ms)
             state.version = -1
             wait = 0.0
         state.watching = False
@@ -4835,6 +4901,32 @@ class Scheduler:
                 if again == 0.0:
                     state.version = -1
         state.wait = wait
+
+    async def _read(self, state: _LoopState) -> None:
+        """Read the runs, and the job rows changed since the last read (all of them at first, and
+        every ``_FULL_READ`` seconds: a process of an older version writes no change numbers)."""
+        agenda = state.agenda
+        whole = agenda is None or self._clock.monotonic() >= state.whole_at + _FULL_READ
+        since = -1 if agenda is None or whole else agenda.seen
+        jobs, runs, newest = await self._link.call(lambda s: (s.jobs(since), s.runs(), s.newest_slot()))
+        state.runs, state.read_at = runs, self._clock.monotonic()
+        self._runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
+        state.newest = newest or 0
+        for row in jobs:
+            self._disagree(row, "holds that one's")
+        if agenda is None or whole:
+            state.agenda, state.whole_at = _Agenda(self._jobs, jobs), state.read_at
+            return
+        agenda.update(jobs)
+        # A claim refused because the watermark moved, while the row read still has the old one: a
+        # writer of an older version moved it. Read those rows by name, or the look would try again.
+        behind = [
+            name for name, last in state.moved.items() if (seen := agenda.rows.get(name)) and seen.last_slot == last
+        ]
+        state.moved = {}
+        if behind:
+            again = await self._link.call(lambda s: [s.job(name) for name in behind])
+            agenda.update(row for row in again if row is not None)
 
     async def _reopen(self, state: _LoopState, change: str) -> None:
         """The state this process used is gone from view, or its claim on its runs may be (``change``
@@ -4855,15 +4947,20 @@ class Scheduler:
         self._dirty = True
         state.version = -1
         state.newest = 0
+        state.agenda = None
 
-    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> None:
+    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
         """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
-        miss), all in one transaction."""
+        miss), all in one transaction. Returns the watermarks that had moved, by job."""
         due = [_due(job, row.last_slot, now_ms) for job, row in ready]
         claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
-        for (job, _row), claim in zip(ready, claims):
+        moved = {}
+        for (job, row), claim in zip(ready, claims):
             if isinstance(claim, _Claim):
                 self._runner.start(job, claim)
+            elif claim is _Claimless.MOVED:
+                moved[job.name] = row.last_slot
+        return moved
 
     async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
         """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
@@ -4880,8 +4977,8 @@ class Scheduler:
                 mine.token.abort(Cancelled(f"{run.job}: cancelled"))
             return None
         job = self._jobs.get(run.job)
-        if job is None or self._stopping:
-            return None
+        if job is None or self._stopping or (run.state == "running" and (run.job, run.slot, run.attempt) in self._runner.ended):
+            return None  # (an attempt of ours that ended: its end is written, or about to be)
         reason = ""
         if run.state == "pending":
             if run.not_before > now_ms:
@@ -4924,8 +5021,10 @@ class Scheduler:
 class _LoopState:
     watch: _Changes  # what the loop asks between transactions, on its own thread
     version: int = -1
-    jobs: list[_JobRow] | None = None
-    agenda: _Agenda | None = None  # ``jobs`` in the order they come due
+    agenda: _Agenda | None = None  # the job rows as last read (None: read them whole)
+    whole_at: float = 0.0  # when they were last read whole (monotonic)
+    busy_until: float = 0.0  # no look before this (monotonic): see _LOOK_GAP
+    moved: dict[str, int] = dataclasses.field(default_factory=dict)  # from the last ``_fire``
     runs: list[_RunRow] | None = None
     newest: int = 0
     wait: float = 0.0

@@ -1,7 +1,17 @@
-"""One scheduler process holding many jobs, none due while it is measured, for the ``scale``
-benchmark: ``python _scale.py DB COUNT every|cron SECONDS``. Prints one JSON line: the time to
-start (declare, join, first look), the CPU per look and per hour while idle, and how long
-``status()`` and ``history(limit=20)`` take."""
+"""One scheduler process holding many jobs, for the ``scale`` benchmark. Prints one JSON line.
+
+``python _scale.py idle DB COUNT every|cron SECONDS``: none of the jobs due while it is measured;
+the time to start (declare, join, first look), the CPU per look and per hour, and how long
+``status()`` and ``history(limit=20)`` take.
+
+``python _scale.py spread DB COUNT SECONDS``: COUNT jobs ``every 1m``, their offsets spread evenly
+over the minute, handlers that return at once; the CPU share of one core, the CPU per occurrence
+and how late each occurrence started (from its scheduled time to its handler's first line).
+
+``python _scale.py burst DB COUNT AT UNTIL``: COUNT daily jobs all due at the Unix second AT, run by
+as many processes as the benchmark starts on one file; this one's starts, with how late each was, as
+it sees them at the Unix second UNTIL.
+"""
 
 from __future__ import annotations
 
@@ -17,28 +27,36 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from anarchon_lite import Scheduler
 
-DB, COUNT, KIND, SECONDS = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+MODE, DB, COUNT = sys.argv[1], sys.argv[2], int(sys.argv[3])
+starts: list[tuple[str, float]] = []  # (job, seconds from its slot to its handler's first line)
 
 
-def declare(scheduler: Scheduler) -> None:
+async def handler(ctx: Any) -> None:
+    starts.append((ctx.job, time.time() - ctx.slot / 1000))
+
+
+def declare_idle(scheduler: Scheduler, kind: str) -> None:
     """COUNT jobs that are not due for the next hours: daily, spread over the hours that follow."""
     hour = time.gmtime().tm_hour
     for i in range(COUNT):
         at = (hour + 2 + i % 20) % 24  # never this hour or the next
-        if KIND == "cron":
+        if kind == "cron":
             scheduler.cron(f"job-{i}", f"{i % 60} {at} * * *", handler, tz="UTC")
         else:
             scheduler.every(f"job-{i}", "24h", handler, offset=f"{at}h{i % 60}m")
 
 
-def handler(ctx: Any) -> None:
-    return None
+def lateness(values: list[float]) -> dict[str, float | None]:
+    if len(values) < 2:
+        return {"p50_ms": None, "p99_ms": None, "max_ms": None}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50_ms": cuts[49] * 1000, "p99_ms": cuts[98] * 1000, "max_ms": max(values) * 1000}
 
 
-async def main() -> None:
+async def idle(kind: str, seconds: float) -> dict[str, Any]:
     began = time.monotonic()
     scheduler = Scheduler(DB)
-    declare(scheduler)
+    declare_idle(scheduler, kind)
     looks: list[float] = []
     tick = scheduler._tick
 
@@ -52,7 +70,7 @@ async def main() -> None:
         started = time.monotonic() - began
         looks.clear()
         cpu = time.process_time()
-        await asyncio.sleep(SECONDS)
+        await asyncio.sleep(seconds)
         cpu = time.process_time() - cpu
         timings = {}
         for name, call in [("status", scheduler.status), ("history", lambda: scheduler.history(limit=20))]:
@@ -62,20 +80,50 @@ async def main() -> None:
                 await call()
                 samples.append(time.perf_counter() - start)
             timings[f"{name}_ms"] = statistics.median(samples) * 1000
-    print(
-        json.dumps(
-            {
-                "jobs": COUNT,
-                "kind": KIND,
-                "start_s": started,
-                "looks": len(looks),
-                "cpu_per_look_ms": statistics.median(looks) * 1000 if looks else None,
-                "idle_cpu_s_per_hour": cpu / SECONDS * 3600,
-                **timings,
-            }
-        ),
-        flush=True,
-    )
+    return {
+        "jobs": COUNT,
+        "kind": kind,
+        "start_s": started,
+        "looks": len(looks),
+        "cpu_per_look_ms": statistics.median(looks) * 1000 if looks else None,
+        "idle_cpu_s_per_hour": cpu / seconds * 3600,
+        **timings,
+    }
 
 
-asyncio.run(main())
+async def spread(seconds: float) -> dict[str, Any]:
+    scheduler = Scheduler(DB)
+    for i in range(COUNT):
+        scheduler.every(f"job-{i}", "1m", handler, offset=f"{i * 60_000 // COUNT}ms")
+    async with scheduler:
+        await asyncio.sleep(5)  # settled: the first look and the occurrences it found late
+        starts.clear()
+        cpu, wall = time.process_time(), time.monotonic()
+        await asyncio.sleep(seconds)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        ran = [late for _, late in starts]
+    return {
+        "jobs": COUNT,
+        "occurrences": len(ran),
+        "cpu_share": cpu / wall,
+        "cpu_per_occurrence_ms": cpu / len(ran) * 1000 if ran else None,
+        **lateness(ran),
+    }
+
+
+async def burst(at: float, until: float) -> dict[str, Any]:
+    scheduler = Scheduler(DB)
+    for i in range(COUNT):
+        scheduler.every(f"job-{i}", "24h", handler, offset=f"{int(at) % 86_400}s")
+    async with scheduler:
+        await asyncio.sleep(max(0.0, until - time.time()))
+    return {"pid": os.getpid(), "starts": starts}
+
+
+if MODE == "idle":
+    result = asyncio.run(idle(sys.argv[4], float(sys.argv[5])))
+elif MODE == "spread":
+    result = asyncio.run(spread(float(sys.argv[4])))
+else:
+    result = asyncio.run(burst(float(sys.argv[4]), float(sys.argv[5])))
+print(json.dumps(result), flush=True)

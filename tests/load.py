@@ -5,7 +5,9 @@
 Each process also runs one long job with a 1 s lease, so heartbeats are renewed throughout. Then
 the jobs are paused, the processes stopped, and the file is judged: every occurrence of every
 short job between the first and the last second is accounted for exactly once (``succeeded`` or
-``skipped``, never ``missed`` or run twice), no store error reached a log, no lease was lost, and
+``skipped``, never run twice; ``missed`` only where the look that found it found the job's next
+occurrence due too, as when every process stalled for an interval: of the occurrences found late in
+one look only the newest runs, and those are at most 5% of them), no store error reached a log, no lease was lost, and
 the heartbeats' lateness is reported (p50, p99, max). ``tests/test_load.py`` runs a shorter one.
 """
 
@@ -110,7 +112,9 @@ def run(directory: str, seconds: float, jobs: int = 50, processes: int = 4) -> d
 def judge(directory: str, started: float, ended: float, jobs: int, processes: int) -> dict:
     conn = sqlite3.connect(os.path.join(directory, "jobs.db"))
     try:
-        history = conn.execute("SELECT job, slot, attempt, status FROM history WHERE job LIKE 'job%'").fetchall()
+        history = conn.execute(
+            "SELECT job, slot, attempt, status, finished_at FROM history WHERE job LIKE 'job%'"
+        ).fetchall()
         integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
     finally:
         conn.close()
@@ -120,7 +124,9 @@ def judge(directory: str, started: float, ended: float, jobs: int, processes: in
     expected = list(range(low, high, INTERVAL_MS))
     counts = {"succeeded": 0, "skipped": 0, "missed": 0, "other": 0}
     by_job: dict[str, dict[int, list[str]]] = {}
-    for job, slot, _attempt, status in history:
+    for job, slot, _attempt, status, finished_at in history:
+        if status == "missed" and finished_at >= slot + INTERVAL_MS:
+            status = "coalesced"  # recorded by a look that found the next occurrence due too
         by_job.setdefault(job, {}).setdefault(slot, []).append(status)
     for i in range(jobs):
         name = f"job{i:02d}"
@@ -131,9 +137,12 @@ def judge(directory: str, started: float, ended: float, jobs: int, processes: in
             if len(ended_as) != 1:
                 problems.append(f"{name} slot {slot}: recorded as {statuses}")
                 continue
-            counts[ended_as[0] if ended_as[0] in counts else "other"] += 1
-            if ended_as[0] not in ("succeeded", "skipped"):
+            status = "missed" if ended_as[0] == "coalesced" else ended_as[0]
+            counts[status if status in counts else "other"] += 1
+            if ended_as[0] not in ("succeeded", "skipped", "coalesced"):
                 problems.append(f"{name} slot {slot}: {ended_as[0]}")
+    if counts["missed"] > 0.05 * len(expected) * jobs:
+        problems.append(f"{counts['missed']} occurrences missed (found late together with the next)")
     samples, lost = [], 0
     errors = []
     for name in sorted(os.listdir(directory)):

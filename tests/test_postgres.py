@@ -152,6 +152,27 @@ def test_a_newer_schema_is_refused_untouched(url):
     assert sql(url, "SELECT version FROM meta") == [(99,)]
 
 
+def test_a_schema_of_version_3_is_migrated_in_place_and_its_jobs_kept(url):
+    """Version 4 gave job rows change numbers; a schema of version 3 gets them when a process of
+    this version first opens it, and its jobs and watermarks stay as they were."""
+
+    async def declare():
+        s = Scheduler(url)
+        s.every("kept", "24h", lambda ctx: None, offset=QUIET)
+        async with s:
+            pass
+        return await s.status()
+
+    before = run(declare())
+    sql(url, "DROP INDEX jobs_by_change")
+    sql(url, "ALTER TABLE jobs DROP COLUMN changed")
+    sql(url, "UPDATE meta SET version = 3")
+    after = run(declare())
+    assert sql(url, "SELECT version FROM meta") == [(al.SCHEMA_VERSION,)]
+    assert sql(url, "SELECT name, changed FROM jobs") == [("kept", 1)]
+    assert [(j.name, j.next_at) for j in after] == [(j.name, j.next_at) for j in before]
+
+
 def test_the_url_password_never_shows_and_a_bad_schema_name_is_refused(pg_server):
     target = al._PGTarget.parse("postgresql://me:secret@db.example/app?schema=jobs&sslmode=require")
     assert "secret" not in target.shown and target.schema == "jobs" and "schema" not in target.conninfo

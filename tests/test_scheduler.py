@@ -1112,6 +1112,36 @@ def test_a_look_computes_a_jobs_next_occurrence_once_per_watermark(db):
     assert looks >= 20 and len(calls) <= 3, f"{len(calls)} computations in {looks} looks"
 
 
+def test_a_change_made_by_another_process_is_read_alone_not_with_every_job(store):
+    """Another process pauses one job of a hundred: the running scheduler reads that job's row
+    again, not all hundred (with thousands of jobs, every change would cost a read of them all)."""
+    reads = []
+
+    def counted(jobs, *args):
+        rows = jobs(*args)
+        reads.append(rows)
+        return rows
+
+    async def main():
+        s = inject(make(store), jobs=counted)
+        for i in range(100):
+            s.every(f"job-{i}", "24h", lambda ctx: None, offset=QUIET)
+        async with s:
+            await wait_for(lambda: reads and len(reads[0]) == 100, message="the first read, whole")
+            first = len(reads)
+            await make(store).pause("job-7")
+            await wait_for(
+                lambda: any(row.name == "job-7" and row.paused for rows in reads[first:] for row in rows),
+                message="the pause seen",
+            )
+            sizes = [len(rows) for rows in reads[first:]]
+            assert next(j for j in await s.status() if j.name == "job-7").paused
+        return sizes
+
+    sizes = run(main())
+    assert max(sizes) <= 2, f"rows per read after the first: {sizes}"
+
+
 def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed(db):
     names = ['we"ird, {name}\\', "plain"]
 
