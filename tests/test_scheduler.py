@@ -1142,6 +1142,46 @@ def test_a_change_made_by_another_process_is_read_alone_not_with_every_job(store
     assert max(sizes) <= 2, f"rows per read after the first: {sizes}"
 
 
+@pytest.mark.sqlite_only  # (the file written as a process of schema version 3 writes it)
+def test_a_watermark_moved_by_an_older_version_is_read_and_not_claimed_again_and_again(db, clock):
+    """A process of an older version claims an occurrence without giving the job row a change
+    number: this one's claim finds the watermark moved, reads that row by name, and does not try
+    again at every look (it would spin) nor run the occurrence."""
+    import sqlite3
+
+    aligned(clock, HOUR)
+    claims, looks, seen = [], [], []
+
+    def counted(claim_due_many, *args):
+        claims.append(args[2])
+        return claim_due_many(*args)
+
+    async def main():
+        s = inject(make(db, clock), claim_due_many=counted)
+        s.every("hourly", "1h", lambda ctx: seen.append(ctx.slot))
+        tick = s._tick
+
+        async def counted_tick(state):
+            looks.append(1)
+            await tick(state)
+
+        s._tick = counted_tick
+        async with s:
+            await wait_for(lambda: len(looks) >= 3, message="the first looks")
+            slot = (int(clock.time()) // HOUR + 1) * HOUR * 1000
+            conn = sqlite3.connect(db, isolation_level=None)
+            conn.execute("UPDATE jobs SET last_slot = ? WHERE name = 'hourly'", (slot,))  # no change number
+            conn.close()
+            clock.advance(0.6)
+            await wait_for(lambda: claims, message="a claim")
+            before = len(looks)
+            await wait_for(lambda: len(looks) >= before + 30, message="thirty more looks")
+        assert len(claims) == 1, f"{len(claims)} claims in {len(looks)} looks"
+        assert seen == []
+
+    run(main())
+
+
 def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed(db):
     names = ['we"ird, {name}\\', "plain"]
 
