@@ -11,6 +11,11 @@ and how late each occurrence started (from its scheduled time to its handler's f
 ``python _scale.py burst DB COUNT AT UNTIL``: COUNT daily jobs all due at the Unix second AT, run by
 as many processes as the benchmark starts on one file; this one's starts, with how late each was, as
 it sees them at the Unix second UNTIL.
+
+``python _scale.py history DB COUNT PER_JOB``: COUNT hourly jobs with PER_JOB records each in their
+history (written straight into the file, as years of runs would have left them); how long
+``status()``, ``history(limit=20)`` and ``history(job, limit=20)`` take in a process that only
+looks at the file.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import statistics
 import sys
 import time
@@ -72,14 +78,7 @@ async def idle(kind: str, seconds: float) -> dict[str, Any]:
         cpu = time.process_time()
         await asyncio.sleep(seconds)
         cpu = time.process_time() - cpu
-        timings = {}
-        for name, call in [("status", scheduler.status), ("history", lambda: scheduler.history(limit=20))]:
-            samples = []
-            for _ in range(5):
-                start = time.perf_counter()
-                await call()
-                samples.append(time.perf_counter() - start)
-            timings[f"{name}_ms"] = statistics.median(samples) * 1000
+        timings = await timed({"status": scheduler.status, "history": lambda: scheduler.history(limit=20)})
     return {
         "jobs": COUNT,
         "kind": kind,
@@ -120,8 +119,65 @@ async def burst(at: float, until: float) -> dict[str, Any]:
     return {"pid": os.getpid(), "starts": starts}
 
 
+async def timed(calls: dict[str, Any], times: int = 5) -> dict[str, float]:
+    """The median duration of each call, in ms."""
+    result = {}
+    for name, call in calls.items():
+        samples = []
+        for _ in range(times):
+            start = time.perf_counter()
+            await call()
+            samples.append(time.perf_counter() - start)
+        result[f"{name}_ms"] = statistics.median(samples) * 1000
+    return result
+
+
+async def history(per_job: int) -> dict[str, Any]:
+    declaring = Scheduler(DB, retention=per_job + 10)
+    declare_idle(declaring, "every")
+    async with declaring:
+        pass
+    now = int(time.time() * 1000)
+    conn = sqlite3.connect(DB, isolation_level=None)
+    conn.execute("BEGIN")
+    conn.executemany(
+        "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
+        "VALUES (?, ?, 1, ?, 'bench', ?, ?, ?)",
+        (
+            (
+                f"job-{i}",
+                slot,
+                "failed" if k % 10 == 0 else "succeeded",
+                slot,
+                slot + 100,
+                "boom" if k % 10 == 0 else None,
+            )
+            for k in range(per_job)
+            for i in range(COUNT)
+            for slot in [now - (per_job - k) * 3_600_000 - i]
+        ),
+    )
+    conn.execute("COMMIT")
+    rows = conn.execute("SELECT count(*) FROM history").fetchone()[0]
+    conn.close()
+    looking = Scheduler(DB)
+    return {
+        "jobs": COUNT,
+        "history_rows": rows,
+        **await timed(
+            {
+                "status": looking.status,
+                "history": lambda: looking.history(limit=20),
+                "job_history": lambda: looking.history("job-7", limit=20),
+            }
+        ),
+    }
+
+
 if MODE == "idle":
     result = asyncio.run(idle(sys.argv[4], float(sys.argv[5])))
+elif MODE == "history":
+    result = asyncio.run(history(int(sys.argv[4])))
 elif MODE == "spread":
     result = asyncio.run(spread(float(sys.argv[4])))
 else:

@@ -480,32 +480,114 @@ def takeovers_section(quick: bool) -> dict[str, Any]:
     return section
 
 
-def scale(seconds: float) -> list[dict[str, Any]]:
-    """One process holding 10, 1,000 and 10,000 jobs (``every`` and cron), none of them due while it
-    is measured: start, CPU per look and per hour, ``status()`` and ``history(limit=20)``."""
-    results = []
+def _scale_run(*args: str, timeout: float = 600.0) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "_scale.py"), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def scale(quick: bool) -> dict[str, Any]:
+    """Many jobs, on SQLite: idle (10, 1,000 and 10,000 jobs, ``every`` and cron, none due: start,
+    CPU per look and per hour, ``status()``); busy (as many jobs ``every 1m`` spread over the
+    minute: CPU share, CPU per occurrence, start lateness); 10,000 due in the same second (one and
+    four processes); 10,000 jobs with 1,000,000 history records (the calls and the command line)."""
+    idle_s, busy_s = (20.0, 30.0) if quick else (60.0, 120.0)
+    section: dict[str, Any] = {"idle": [], "busy": [], "burst": [], "history": {}}
     for count in (10, 1_000, 10_000):
         for kind in ("every", "cron"):
             with tempfile.TemporaryDirectory() as folder:
-                db = location(folder)
-                out = subprocess.run(
-                    [sys.executable, os.path.join(HERE, "_scale.py"), db, str(count), kind, str(seconds)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                ).stdout
-                results.append(json.loads(out.strip().splitlines()[-1]))
-            print(f"scale {count} {kind}: done", flush=True)
-    return results
+                section["idle"].append(
+                    _scale_run("idle", os.path.join(folder, "jobs.db"), str(count), kind, str(idle_s))
+                )
+        with tempfile.TemporaryDirectory() as folder:
+            section["busy"].append(_scale_run("spread", os.path.join(folder, "jobs.db"), str(count), str(busy_s)))
+        print(f"scale {count}: done", flush=True)
+    for processes in (1, 4):
+        with tempfile.TemporaryDirectory() as folder:
+            section["burst"].append(burst(os.path.join(folder, "jobs.db"), 10_000, processes))
+    print("scale burst: done", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        db = os.path.join(folder, "jobs.db")
+        section["history"] = _scale_run("history", db, "10000", "100")
+        for key, command in [
+            ("status", ["status"]),
+            ("history", ["history"]),
+            ("job_history", ["history", "--job", "job-7"]),
+        ]:
+            samples = []
+            for _ in range(3):
+                start = time.perf_counter()
+                subprocess.run(
+                    [sys.executable, "-m", "anarchon_lite", "--db", db, *command], check=True, capture_output=True
+                )
+                samples.append(time.perf_counter() - start)
+            section["history"][f"cli_{key}_s"] = statistics.median(samples)
+    print("scale history: done", flush=True)
+    return section
 
 
-def report_scale(rows: list[dict[str, Any]]) -> None:
-    print("\njobs    kind   start s  CPU/look ms  idle CPU s/h  status ms  history ms")
-    for r in rows:
+def burst(db: str, count: int, processes: int) -> dict[str, Any]:
+    """``count`` jobs due at the same second, declared by ``processes`` processes: how late each
+    started, how many each process ran, and whether any ran twice or not at all."""
+    at = int(time.time()) + 10 + 2 * processes  # time for the processes to start and declare
+    args = ["burst", db, str(count), str(at), str(at + 15)]
+    procs = [
+        subprocess.Popen([sys.executable, os.path.join(HERE, "_scale.py"), *args], stdout=subprocess.PIPE, text=True)
+        for _ in range(processes)
+    ]
+    try:
+        outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    starts = [late for out in outs for _, late in out["starts"]]
+    jobs = [job for out in outs for job, _ in out["starts"]]
+    return {
+        "jobs": count,
+        "processes": processes,
+        "started": len(starts),
+        "distinct": len(set(jobs)),
+        "per_process": [len(out["starts"]) for out in outs],
+        "p50_s": percentile(starts, 0.5),
+        "p99_s": percentile(starts, 0.99),
+        "max_s": max(starts, default=float("nan")),
+    }
+
+
+def report_scale(section: dict[str, Any]) -> None:
+    print("\nidle (none due)")
+    print("jobs    kind   start s  CPU/look ms  idle CPU s/h  status ms  history ms")
+    for r in section["idle"]:
         print(
             f"{r['jobs']:<7} {r['kind']:<6} {r['start_s']:>7.3f}  {r['cpu_per_look_ms'] or 0:>11.2f}"
             f"  {r['idle_cpu_s_per_hour']:>12.2f}  {r['status_ms']:>9.1f}  {r['history_ms']:>10.1f}"
         )
+    print("\nbusy (every 1m, spread over the minute)")
+    print("jobs    occurrences  CPU share  CPU/occurrence ms  lateness p50 ms  p99 ms  max ms")
+    for r in section["busy"]:
+        print(
+            f"{r['jobs']:<7} {r['occurrences']:>11}  {r['cpu_share']:>8.1%}  {r['cpu_per_occurrence_ms'] or 0:>17.2f}"
+            f"  {r['p50_ms'] or 0:>15.1f}  {r['p99_ms'] or 0:>6.1f}  {r['max_ms'] or 0:>6.1f}"
+        )
+    print("\ndue in the same second")
+    for r in section["burst"]:
+        print(
+            f"{r['jobs']} jobs, {r['processes']} processes: started {r['started']} ({r['distinct']} distinct), "
+            f"per process {r['per_process']}, lateness p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, max {r['max_s']:.3f} s"
+        )
+    h = section["history"]
+    print(
+        f"\n{h['jobs']} jobs, {h['history_rows']} history records: status() {h['status_ms']:.1f} ms, "
+        f"history(limit=20) {h['history_ms']:.1f} ms, history(job, 20) {h['job_history_ms']:.1f} ms; command line: "
+        f"status {h['cli_status_s']:.2f} s, history {h['cli_history_s']:.2f} s, history --job {h['cli_job_history_s']:.2f} s"
+    )
 
 
 def report_takeover(t: dict[str, Any]) -> None:
@@ -532,7 +614,7 @@ def measure(args: argparse.Namespace) -> int:
             results["takeover"] = takeovers_section(quick)
             report_takeover(results["takeover"])
         else:
-            results["scale"] = scale(20.0 if quick else 60.0)
+            results["scale"] = scale(quick)
             report_scale(results["scale"])
         if args.json:
             with open(args.json, "w") as handle:
