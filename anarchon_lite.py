@@ -147,6 +147,11 @@ class HandlerEscaped(Exception):
         self.exception = exception
 
 
+class _PlainFailure(Exception):
+    """A failure whose message says it all (a command's exit code): its run's record and log line
+    carry the message alone, without the library's traceback."""
+
+
 class Aborted(BaseException):
     """Why a cancellation token was aborted.
 
@@ -898,6 +903,7 @@ class _Due:
     run: bool
     skip_if_busy: bool
     lease: float  # seconds; the store stamps its expiry on its own clock
+    missed_count: int = 0  # how many occurrences were missed in all (``missed`` keeps at most 100)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3762,6 +3768,7 @@ class _Attempt:
     progress: tuple[float | None, float | None] = (None, None)
     reported: tuple[float | None, float | None] = (None, None)
     done: bool = False
+    started: float = 0.0  #: when its handler was started (the scheduler's monotonic clock)
     #: Until when (``time.monotonic``) the lease surely holds, by this process's own clock: a
     #: lease's length from when the last renewal that succeeded was sent.
     valid_until: float = 0.0
@@ -4067,6 +4074,8 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
     if isinstance(exc, Aborted):
         status = next(s for cls, s in _ABORT_STATUS.items() if isinstance(exc, cls))
         return _Outcome(status, f"{type(exc).__name__}: {exc}", retryable=status == "timed_out")
+    if isinstance(exc, _PlainFailure):
+        return _Outcome("failed", str(exc), retryable=True, output=_tail(getattr(exc, "output", None)))
     shown = exc.exception if isinstance(exc, HandlerEscaped) else exc  # the handler's traceback, not ours
     lines = traceback.format_exception(type(shown), shown, shown.__traceback__)[-3:]
     text = "".join(lines[:-1] + [f"{type(exc).__name__}: {exc}\n"] if shown is not exc else lines)
@@ -4075,6 +4084,36 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
 
 def _tail(value: object, size: int = 4096) -> str | None:
     return value[-size:] if isinstance(value, str) else None
+
+
+# Every attempt's start and end is logged, with ``extra`` fields (job, slot, attempt, status,
+# duration) for handlers that keep structure: INFO for a start and a success, ERROR for a failure or
+# a timeout (with the error's last lines and the output's), WARNING for any other end.
+_END_LEVELS = {"succeeded": logging.INFO, "failed": logging.ERROR, "timed_out": logging.ERROR}
+_LOGGED_OUTPUT_LINES = 10
+
+
+def _log_run(level: int, job: str, slot: int, attempt: int, what: str, **fields: Any) -> None:
+    if _log.isEnabledFor(level):
+        when = _utc_from_ms(slot).isoformat(timespec="seconds").replace("+00:00", "Z")
+        name = f"{job} {when}" + (f" attempt {attempt}" if attempt else "")
+        _log.log(level, "%s %s", name, what, extra={"job": job, "slot": slot, "attempt": attempt, **fields})
+
+
+def _log_end(attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
+    claim, status = attempt.claim, outcome.status or "lost"
+    what = f"{status} after {format_duration(duration)}" if status != "lost" else "lost its run to another attempt"
+    if then is _Then.RETRY:
+        what += ", to be retried"
+    elif then is _Then.HANDOVER:
+        what += ", handed over"
+    if outcome.error and status != "succeeded":
+        what += f": {outcome.error}"
+    if outcome.output and status in ("failed", "timed_out"):
+        tail = outcome.output.rstrip("\n").splitlines()[-_LOGGED_OUTPUT_LINES:]
+        what += "".join(f"\n  | {line}" for line in tail)
+    level = _END_LEVELS.get(status, logging.WARNING)
+    _log_run(level, claim.job, claim.slot, claim.attempt, what, status=status, duration=round(duration, 3))
 
 
 class _Runner:
@@ -4144,6 +4183,8 @@ class _Runner:
         job, claim, token = attempt.job, attempt.claim, attempt.token
         self._heartbeats.add(attempt)
         self._watchdog.acquire()
+        attempt.started = self._clock.monotonic()
+        _log_run(logging.INFO, claim.job, claim.slot, claim.attempt, "started", status="running")
         cancel_timeout = _nothing
         if job.options.timeout is not None:
             limit = job.options.timeout
@@ -4232,8 +4273,10 @@ class _Runner:
             await asyncio.wait({work}, timeout=_LAST_WORDS)
 
     async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
-        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced)."""
+        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
+        duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
+            _log_end(attempt, outcome, duration, _Then.DONE)
             return
         claim, options = attempt.claim, attempt.job.options
         then, not_before = _Then.DONE, 0
@@ -4244,6 +4287,7 @@ class _Runner:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
             then, not_before = _Then.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
+        _log_end(attempt, outcome, duration, then)
         for tries in range(60):
             try:
                 await self._finish(end)
@@ -4300,6 +4344,7 @@ class _Plan:
     next_slot: int | None
     run: bool
     missed: list[tuple[int, str | None]]
+    missed_count: int
 
 
 class _Agenda:
@@ -4388,14 +4433,24 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
     if not run:
         count += 1
         older.append(newest)
-    return _Plan(newest, schedule.next_after(newest), run, _missed_records(older, count))
+    return _Plan(newest, schedule.next_after(newest), run, _missed_records(older, count), count)
 
 
 def _due(job: _Job, last_slot: int, now_ms: int) -> _Due:
     """What the store is to record for ``job``'s occurrences after ``last_slot`` due by now."""
     plan = _plan_due(job, last_slot, now_ms)
     skip = job.options.overlap == "skip"
-    return _Due(job.name, last_slot, plan.slot, plan.next_slot, plan.missed, plan.run, skip, job.options.lease)
+    return _Due(
+        job.name,
+        last_slot,
+        plan.slot,
+        plan.next_slot,
+        plan.missed,
+        plan.run,
+        skip,
+        job.options.lease,
+        plan.missed_count,
+    )
 
 
 def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]]:
@@ -4990,11 +5045,19 @@ class Scheduler:
         due = [_due(job, row.last_slot, now_ms) for job, row in batch]
         claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
         moved = {}
-        for (job, row), claim in zip(batch, claims):
+        for (job, row), item, claim in zip(batch, due, claims):
+            if claim is _Claimless.MOVED:
+                moved[job.name] = row.last_slot
+                continue
+            if item.missed:
+                count = item.missed_count
+                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, not run: downtime)"
+                _log_run(logging.WARNING, job.name, item.missed[-1][0], 0, what, status="missed", count=count)
             if isinstance(claim, _Claim):
                 self._runner.start(job, claim)
-            elif claim is _Claimless.MOVED:
-                moved[job.name] = row.last_slot
+            elif item.run:
+                what = "skipped: the job's previous run is unfinished (overlap skip)"
+                _log_run(logging.WARNING, job.name, item.slot, 0, what, status="skipped")
         return moved
 
     async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
@@ -5038,6 +5101,9 @@ class Scheduler:
             )
         )
         if claim is not None:
+            if run.state == "running":
+                what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
+                _log_run(logging.WARNING, run.job, run.slot, run.attempt, what, status="taken_over")
             self._runner.start(job, claim)
         return 0.0
 
@@ -5104,12 +5170,23 @@ class CrontabError(ConfigError):
         self.job, self.option, self.path, self.line = None, None, path, line
 
 
-class CommandFailed(Exception):
-    """A crontab command exited with a non-zero code; ``output`` is the tail of what it printed."""
+class CommandFailed(_PlainFailure):
+    """A crontab command exited with a non-zero code, or a signal ended it (a negative ``code``, as
+    ``subprocess`` has it); ``output`` is the tail of what it printed."""
 
     def __init__(self, code: int, output: str):
-        super().__init__(f"exit code {code}")
+        super().__init__(_exit_text(code))
         self.code, self.output = code, output
+
+
+def _exit_text(code: int) -> str:
+    """``exit code 3``, or ``killed by SIGTERM`` for -15."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 @dataclasses.dataclass
@@ -5326,7 +5403,7 @@ async def _end_previous_group(ctx: RunContext, me: _Owner) -> None:
             await asyncio.sleep(0.02)
         if not _group_alive(record, me):
             return
-    raise CommandFailed(-1, f"the command of an earlier attempt (process group {pgid}) could not be ended")
+    raise _PlainFailure(f"the command of an earlier attempt (process group {pgid}) could not be ended")
 
 
 async def _start_reaper(pgid: int) -> asyncio.subprocess.Process:
@@ -5565,6 +5642,59 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
+# The fields of a run's log records (``_log_run``), as a JSON line carries them.
+_LOG_FIELDS = ("job", "slot", "attempt", "status", "duration", "count")
+# sd-daemon(3) priorities: under systemd, a line that starts with one is filed at that level.
+_JOURNAL_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object a line: time, level, logger, message, the run's fields, the traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": _dt.datetime.fromtimestamp(record.created, _UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        line.update((key, getattr(record, key)) for key in _LOG_FIELDS if hasattr(record, key))
+        if record.exc_info:
+            line["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+class _JournalFormatter(logging.Formatter):
+    """Lines for the journal: each prefixed with its priority (``<3>``), no timestamp (journald
+    adds its own)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        priority = _JOURNAL_PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)
+        text = f"{record.name}: {super().format(record)}"
+        return "\n".join(f"<{priority}>{line}" for line in text.splitlines())
+
+
+def _stderr_is_the_journal() -> bool:
+    """Whether stderr is the journal's stream (systemd sets ``$JOURNAL_STREAM`` to its device and inode)."""
+    expected = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        status = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return expected == f"{status.st_dev}:{status.st_ino}"
+
+
+def _configure_logging(level: str, form: str) -> None:
+    handler = logging.StreamHandler()
+    if form == "json":
+        handler.setFormatter(_JsonFormatter())
+    elif _stderr_is_the_journal():
+        handler.setFormatter(_JournalFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
     parser.add_argument(
@@ -5574,6 +5704,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level", default="INFO", type=_log_level, help="logging level for run and crontab (default: INFO)"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text, or as one JSON object a line (run and crontab; default: text)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="every job, its next occurrence and running attempts")
@@ -5606,7 +5742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     if args.command in ("run", "crontab"):
-        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _configure_logging(args.log_level, args.log_format)
     if args.command == "run":
         _run_target(_load_scheduler(args.target), args.target)
         return 0

@@ -115,12 +115,18 @@ def test_timeout_kills_the_command_and_its_children(tmp_path, daemons):
 def test_failing_command_exit_code_and_output_in_history(tmp_path, daemons):
     db = str(tmp_path / "jobs.db")
     crontab = tmp_path / "crontab"
-    crontab.write_text("# name: broken\n@every 24h for i in 1 2 3; do echo line $i; done; echo oops >&2; exit 3\n")
+    crontab.write_text(
+        "# name: broken\n@every 24h for i in 1 2 3; do echo line $i; done; echo oops >&2; exit 3\n"
+        "# name: killed\n@every 24h kill -TERM $$\n"
+    )
     daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "broken" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: os.path.exists(db) and "killed" in cli(db, "status").stdout, what="registered")
     cli(db, "trigger", "broken")
+    cli(db, "trigger", "killed")
     record = wait_until(lambda: [r for r in history(db, "broken") if r["status"] == "failed"], what="failed")[0]
-    assert "exit code 3" in record["error"]
+    assert record["error"] == "exit code 3"  # the command's, not a traceback of the library
+    killed = wait_until(lambda: [r for r in history(db, "killed") if r["status"] == "failed"], what="killed")[0]
+    assert killed["error"] == "killed by SIGTERM"
     assert record["output"].splitlines() == ["line 1", "line 2", "line 3", "oops"]
     assert "broken" in cli(db, "history").stdout
 
@@ -427,3 +433,52 @@ def test_a_command_leaving_a_background_child_ends_when_its_shell_exits(tmp_path
     wait_until(lambda: not alive(child), what="the child to be ended")
     cli(db, "trigger", "bg")  # not skipped: the first run is over
     wait_until(lambda: len([r for r in history(db, "bg") if r["status"] == "succeeded"]) == 2, what="second run")
+
+
+def test_each_run_is_logged_as_json_lines_with_its_fields(tmp_path, daemons):
+    """--log-format json: one object a line; a run's start and end carry job, slot, attempt,
+    status and duration, and a failed command's end says its exit code and its output's last lines."""
+    db = str(tmp_path / "jobs.db")
+    crontab = tmp_path / "crontab"
+    crontab.write_text("# name: ok\n@every 24h true\n# name: bad\n@every 24h echo first; echo oops; exit 3\n")
+    daemons.start("--db", db, "--log-format", "json", "crontab", str(crontab))
+    log = tmp_path / "daemon-0.log"
+    wait_until(lambda: os.path.exists(db) and "bad" in cli(db, "status").stdout, what="registered")
+    cli(db, "trigger", "ok")
+    cli(db, "trigger", "bad")
+
+    def ends():
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        found = [e for e in lines if e.get("status") in ("succeeded", "failed")]
+        return found if len(found) >= 2 else None
+
+    found = {e["job"]: e for e in wait_until(ends, what="two ends")}
+    assert found["ok"]["level"] == "INFO" and found["ok"]["attempt"] == 1 and found["ok"]["duration"] >= 0
+    bad = found["bad"]
+    assert bad["level"] == "ERROR" and "exit code 3" in bad["message"] and "| oops" in bad["message"], bad
+    starts = [json.loads(line) for line in log.read_text().splitlines() if '"running"' in line]
+    assert {s["job"] for s in starts} == {"ok", "bad"} and all(s["level"] == "INFO" for s in starts)
+
+
+def test_under_the_journal_lines_carry_their_priority_and_no_timestamp(tmp_path, daemons):
+    """With stderr the journal's stream ($JOURNAL_STREAM is its device and inode), each line starts
+    with its sd-daemon priority: <6> for a success, <3> for a failure."""
+    db = str(tmp_path / "jobs.db")
+    crontab = tmp_path / "crontab"
+    crontab.write_text("# name: bad\n@every 24h exit 4\n")
+    log = tmp_path / "journal.log"
+    with open(log, "w") as stream:
+        status = os.fstat(stream.fileno())
+        env = {**ENV, "JOURNAL_STREAM": f"{status.st_dev}:{status.st_ino}"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "anarchon_lite", "--db", db, "crontab", str(crontab)], stderr=stream, env=env
+        )
+    daemons.procs.append(proc)
+    wait_until(lambda: os.path.exists(db) and "bad" in cli(db, "status").stdout, what="registered")
+    cli(db, "trigger", "bad")
+    wait_until(lambda: "exit code 4" in log.read_text(), what="the failure logged")
+    lines = log.read_text().splitlines()
+    assert all(line[:3] in ("<3>", "<4>", "<6>", "<7>") for line in lines), lines
+    assert any(line.startswith("<6>anarchon_lite: bad ") and "started" in line for line in lines), lines
+    assert any(line.startswith("<3>anarchon_lite: bad ") and "exit code 4" in line for line in lines), lines
+    assert not any(line[3:7].isdigit() for line in lines), "no timestamp"

@@ -147,6 +147,44 @@ def test_overlap_skip_and_allow(db, clock):
     run(main())
 
 
+def test_every_run_is_logged_with_its_fields(db, clock, caplog):
+    """A start and a success at INFO, a failure at ERROR with the handler's error, a skipped
+    occurrence at WARNING; each record carries job, slot, attempt, status (and duration at the end)."""
+    aligned(clock, 60)
+
+    async def main():
+        s = make(db, clock)
+        gate = asyncio.Event()
+
+        async def slow(ctx):
+            await gate.wait()
+
+        def broken(ctx):
+            raise ValueError("no such table")
+
+        s.every("slow", "1m", slow)
+        s.every("broken", "1m", broken)
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: has(s, "broken", "failed"))
+            next_slot(clock, 60)
+            await wait_for(lambda: has(s, "slow", "skipped"))
+            gate.set()
+            await wait_for(lambda: has(s, "slow", "succeeded"))
+
+    with caplog.at_level(logging.INFO, logger="anarchon_lite"):
+        run(main())
+    runs = [r for r in caplog.records if hasattr(r, "status")]
+    by = {(r.job, r.status): r for r in runs}
+    assert by[("slow", "running")].levelno == logging.INFO and by[("slow", "running")].attempt == 1
+    done = by[("slow", "succeeded")]
+    assert done.levelno == logging.INFO and done.duration >= 0 and "succeeded after" in done.getMessage()
+    failed = by[("broken", "failed")]
+    assert failed.levelno == logging.ERROR and "ValueError: no such table" in failed.getMessage()
+    skipped = by[("slow", "skipped")]
+    assert skipped.levelno == logging.WARNING and skipped.slot == done.slot + 60_000 and skipped.attempt == 0
+
+
 def test_timeout_aborts_signal_and_records_timed_out(db):
     reasons = []
 
