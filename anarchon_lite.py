@@ -84,6 +84,7 @@ __all__ = [
     "ConfigError",
     "CrontabError",
     "HandlerEscaped",
+    "JobNotFound",
     "JobStatus",
     "LeaseLost",
     "RunContext",
@@ -125,6 +126,10 @@ class ConfigError(AnarchonError, ValueError):
         super().__init__(f"{where}: {message}" if where else message)
         self.job = job
         self.option = option
+
+
+class JobNotFound(ConfigError):
+    """No job of that name is in the database (or declared, for ``upcoming``): a web app's 404."""
 
 
 class StoreError(AnarchonError):
@@ -1517,7 +1522,7 @@ class _SQLStore(_Store):
     def trigger(self, job: str, now_ms: int) -> int:
         def work(conn: Any) -> int:
             if conn.execute(_SQL_JOB, (job,)).fetchone() is None:
-                raise ConfigError("no such job in the database", job=job)
+                raise JobNotFound("no such job in the database", job=job)
             slot = now_ms
             while conn.execute(_SQL_SLOT_USED, (job, slot, job, slot)).fetchone():
                 slot += 1
@@ -4628,7 +4633,7 @@ class Scheduler:
     def _job(self, name: str) -> _Job:
         job = self._jobs.get(name)
         if job is None:
-            raise ConfigError("no such job is declared", job=name)
+            raise JobNotFound("no such job is declared", job=name)
         return job
 
     # -- the store ---------------------------------------------------------------------------------
@@ -4691,7 +4696,7 @@ class Scheduler:
     async def _set_paused(self, name: str, paused: bool) -> None:
         now = _ms(self._clock.time())
         if not await self._link.call(lambda s: s.set_paused(name, paused, now)):
-            raise ConfigError("no such job in the database", job=name)
+            raise JobNotFound("no such job in the database", job=name)
         self._poke()
 
     async def cancel(self, name: str) -> int:

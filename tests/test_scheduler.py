@@ -12,6 +12,7 @@ from anarchon_lite import (
     Cancelled,
     Clock,
     ConfigError,
+    JobNotFound,
     LeaseLost,
     RunTimeout,
     Scheduler,
@@ -421,10 +422,10 @@ def test_pause_resume_trigger_cancel(db, clock):
             await wait_for(lambda: slot in seen)
             await wait_for(lambda: has(s, "p", "succeeded"))
         assert seen[1] == "cancelled"
-        with pytest.raises(ConfigError):
-            await other.pause("nope")
-        with pytest.raises(ConfigError):
-            await other.trigger("nope")
+        for call in (other.pause, other.resume, other.trigger):  # a distinct error: a web app's 404
+            with pytest.raises(JobNotFound, match="'nope'"):
+                await call("nope")
+        assert issubclass(JobNotFound, ConfigError)
 
     run(main())
 
