@@ -5700,38 +5700,62 @@ def _configure_logging(level: str, form: str) -> None:
     logging.basicConfig(level=level, handlers=[handler])
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
+def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options every subcommand takes, before or after its name (after it, a subcommand's
+    parser sets only what is given: ``defaults`` False)."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
     parser.add_argument(
         "--db",
-        default=os.environ.get("ANARCHON_DB"),
+        default=default(os.environ.get("ANARCHON_DB")),
         help="the database file, or a postgresql:// URL (default: $ANARCHON_DB)",
     )
     parser.add_argument(
-        "--log-level", default="INFO", type=_log_level, help="logging level for run and crontab (default: INFO)"
+        "--log-level",
+        default=default("INFO"),
+        type=_log_level,
+        help="logging level for run and crontab (default: INFO)",
     )
     parser.add_argument(
         "--log-format",
         choices=("text", "json"),
-        default="text",
+        default=default("text"),
         help="log lines as text, or as one JSON object a line (run and crontab; default: text)",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    status = commands.add_parser("status", help="every job, its next occurrence and running attempts")
-    status.add_argument("--json", action="store_true")
-    history = commands.add_parser("history", help="run records, newest first")
-    history.add_argument("--job")
-    history.add_argument("--limit", type=int, default=50)
-    history.add_argument("--json", action="store_true")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
+    parser.add_argument("--version", action="version", version=f"anarchon-lite {__version__}")
+    _global_options(parser, defaults=True)
+    common = _Parser(add_help=False)
+    _global_options(common, defaults=False)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text, parents=[common])
+
+    status = command("status", "every job, its next occurrence and running attempts")
+    status.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    history = command("history", "run records, newest first")
+    history.add_argument("--job", help="only this job's records")
+    history.add_argument("--limit", type=int, default=50, help="how many records (default: 50)")
+    history.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     for name, text in (
-        ("trigger", "record a run due now"),
-        ("pause", "pause a job"),
-        ("resume", "resume a job"),
-        ("cancel", "cancel a job's unfinished runs"),
+        ("trigger", "record a run of a job due now"),
+        ("pause", "pause a job's schedule, on every process"),
+        ("resume", "resume a job's schedule, on every process"),
+        ("cancel", "cancel a job's unfinished runs, on whichever process holds them"),
     ):
-        commands.add_parser(name, help=text).add_argument("name")
-    commands.add_parser("run", help="run the Scheduler that MODULE:ATTRIBUTE names").add_argument("target")
-    commands.add_parser("crontab", help="run a crontab file of shell commands").add_argument("file")
+        control = command(name, text)
+        control.add_argument("name", help="the job's name")
+        control.add_argument("--json", action="store_true", help="say what was done as a JSON object")
+    command("run", "run the Scheduler that MODULE:ATTRIBUTE names").add_argument(
+        "target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one"
+    )
+    command("crontab", "run a crontab file of shell commands").add_argument("file", help="the crontab file")
     return parser
 
 
@@ -5765,15 +5789,33 @@ def _command(args: argparse.Namespace) -> int:
         _print_status(asyncio.run(scheduler.status()), args.json)
     elif args.command == "history":
         _print_history(asyncio.run(scheduler.history(args.job, args.limit)), args.json)
-    elif args.command == "trigger":
-        print(asyncio.run(scheduler.trigger(args.name)))
-    elif args.command == "pause":
-        asyncio.run(scheduler.pause(args.name))
-    elif args.command == "resume":
-        asyncio.run(scheduler.resume(args.name))
-    elif args.command == "cancel":
-        asyncio.run(scheduler.cancel(args.name))
+    else:
+        _confirm(args.command, args.name, asyncio.run(_control(scheduler, args.command, args.name)), args.json)
     return 0
+
+
+async def _control(scheduler: Scheduler, command: str, name: str) -> int | None:
+    """trigger (its slot), pause, resume or cancel (how many runs) ``name``."""
+    if command == "trigger":
+        return await scheduler.trigger(name)
+    if command == "cancel":
+        return await scheduler.cancel(name)
+    await (scheduler.pause(name) if command == "pause" else scheduler.resume(name))
+    return None
+
+
+def _confirm(command: str, name: str, result: int | None, as_json: bool) -> None:
+    """One line that says what a control command did."""
+    if as_json:
+        key = {"trigger": "slot", "cancel": "cancelled"}.get(command)
+        print(json.dumps({"command": command, "job": name, **({key: result} if key else {})}))
+    elif command == "trigger":
+        assert result is not None
+        print(f"{name}: triggered, slot {result} ({_utc_from_ms(result).isoformat(timespec='milliseconds')})")
+    elif command == "cancel":
+        print(f"{name}: {result} unfinished run{'' if result == 1 else 's'} cancelled")
+    else:
+        print(f"{name}: {command}d on every process")
 
 
 if __name__ == "__main__":

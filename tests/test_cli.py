@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from conftest import QUIET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -349,6 +350,51 @@ def test_command_line_mistakes_are_one_line(tmp_path):
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("anarchon-lite") and done.stderr.count("\n") == 1, done.stderr
         assert expected in done.stderr, done.stderr
+
+
+def test_options_before_or_after_the_command_and_each_control_command_says_what_it_did(tmp_path):
+    db = str(tmp_path / "jobs.db")
+    crontab = tmp_path / "crontab"
+    crontab.write_text("# name: tick\n@every 24h true\n")
+
+    async def declare():
+        from anarchon_lite import Scheduler
+
+        s = Scheduler(db)
+        s.every("tick", "24h", lambda ctx: None, offset=QUIET)
+        async with s:
+            pass
+
+    import asyncio
+
+    asyncio.run(declare())
+
+    def command(*args):
+        done = subprocess.run(
+            [sys.executable, "-m", "anarchon_lite", *args],
+            check=False,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert command("--version").startswith("anarchon-lite ")
+    assert "tick" in command("status", "--db", db) and "tick" in command("--db", db, "status")
+    triggered = command("trigger", "tick", "--db", db)
+    assert triggered.startswith("tick: triggered, slot ") and triggered.count("\n") == 0, triggered
+    said = json.loads(command("trigger", "--db", db, "tick", "--json"))
+    assert said["command"] == "trigger" and said["job"] == "tick" and isinstance(said["slot"], int)
+    assert command("pause", "tick", "--db", db) == "tick: paused on every process"
+    assert json.loads(command("--db", db, "resume", "tick", "--json")) == {"command": "resume", "job": "tick"}
+    assert command("cancel", "tick", "--db", db) == "tick: 2 unfinished runs cancelled"
+    for name in ("status", "history", "trigger", "run", "crontab"):
+        text = command(name, "--help")
+        assert "--db" in text and "--log-format" in text
+        options = [line for line in text.splitlines() if line.strip().startswith("--")]
+        assert all(len(line.split(None, 2)) >= 2 for line in options), f"an option of {name} without help: {options}"
 
 
 def marks(path):
