@@ -245,6 +245,15 @@ def format_duration(seconds: float) -> str:
     return "".join(parts) or "0ms"
 
 
+def _elapsed(seconds: float) -> str:
+    """How long a run took, as people read it: ``0.25s``, ``3.52s``, ``42.1s``, ``12m5s``."""
+    if seconds < 10:
+        return f"{seconds:.2f}s"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    return format_duration(round(seconds))
+
+
 class Clock:
     """Where the scheduler reads time. Subclass it in tests to move time by hand.
 
@@ -643,6 +652,8 @@ def _cron_field(text: str, index: int, job: str) -> list[int]:
         elif "-" in body:
             a, _, b = body.partition("-")
             first, last = number(a), number(b)
+            if index == 4 and b.upper() == "SUN":
+                last = 7  # as cronie reads it: MON-SUN, FRI-SUN (Sunday as 7 at a range's end)
             if first > last:
                 raise ConfigError(f"cron {name} field: range {item!r} runs backwards", job=job, option="cron")
         elif body:
@@ -4107,7 +4118,7 @@ def _log_run(level: int, job: str, slot: int, attempt: int, what: str, **fields:
 
 def _log_end(attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
     claim, status = attempt.claim, outcome.status or "lost"
-    what = f"{status} after {format_duration(duration)}" if status != "lost" else "lost its run to another attempt"
+    what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
     if then is _Then.RETRY:
         what += ", to be retried"
     elif then is _Then.HANDOVER:
@@ -5236,6 +5247,14 @@ def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
 
 def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
     options: dict[str, Any] = {}
+    left = _OPTION_PAIR.sub(" ", line.lstrip("#")).replace(",", " ").split()
+    if left:
+        raise CrontabError(
+            path,
+            number,
+            f"cannot read {left[0]!r} in this option comment: options are key: value pairs separated by spaces or "
+            "commas, and a value has no spaces (a job name such as 'nightly-backup', not 'nightly backup')",
+        )
     for key, value in _OPTION_PAIR.findall(line):
         key = key.lower()
         if key not in _CRONTAB_OPTIONS:
@@ -5264,7 +5283,7 @@ def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], optio
         if len(fields) < 6:
             raise CrontabError(path, number, "expected 5 schedule fields and a command")
         kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
-    problem = _command_problem(command, env)
+    problem = _command_problem(command, env) or _user_column(command, env)
     if problem:
         raise CrontabError(path, number, problem)
     digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
@@ -5286,6 +5305,26 @@ def _command_problem(command: str, env: dict[str, str]) -> str | None:
     if _find_program(shell, env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
         return f"SHELL={shell}: no such executable file"
     return None
+
+
+def _user_column(command: str, env: dict[str, str]) -> str | None:
+    """Why a command whose first word names a user of this system, and no program, is refused: it
+    is a system crontab's user column (``0 3 * * * root backup``), which would run a program called
+    ``root``."""
+    first = command.split(None, 1)[0]
+    if _find_program(first, env.get("PATH", os.environ.get("PATH", os.defpath))) is not None:
+        return None
+    try:
+        import pwd
+
+        pwd.getpwnam(first)
+    except (ImportError, KeyError):
+        return None
+    return (
+        f"{first!r} is a user of this system, not a program: the user column of a system crontab (/etc/crontab, "
+        "/etc/cron.d) is not supported; run one anarchon-lite crontab process per user instead (systemd: User= "
+        "in each one's unit)"
+    )
 
 
 def _find_program(name: str, path: str) -> str | None:
@@ -5560,11 +5599,36 @@ def _print_history(records: list[RunRecord], as_json: bool) -> None:
     if as_json:
         print(json.dumps([_record_json(r) for r in records], indent=2))
         return
-    print(f"{'JOB':<24} {'SCHEDULED (UTC)':<24} {'ATT':>3} {'STATUS':<11} {'INSTANCE':<28} ERROR")
+    print(
+        f"{'JOB':<24} {'SCHEDULED (UTC)':<24} {'ATT':>3} {'STATUS':<11} {'DURATION':>9} {'INSTANCE':<28} ERROR / OUTPUT"
+    )
     for r in records:
         error = (r.error or "").splitlines()[-1][:60] if r.error else ""
+        last = (r.output or "").rstrip("\n").rsplit("\n", 1)[-1][:60]
+        shown = error if not last else f"{error}  | {last}" if error else f"| {last}"
         at = r.scheduled_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        print(f"{r.job:<24} {at:<24} {r.attempt:>3} {r.status:<11} {(r.instance or '-'):<28} {error}")
+        took = "-"
+        if r.started_at is not None and r.finished_at is not None:
+            took = _elapsed((r.finished_at - r.started_at).total_seconds())
+        print(f"{r.job:<24} {at:<24} {r.attempt:>3} {r.status:<11} {took:>9} {(r.instance or '-'):<28} {shown}")
+
+
+def _check_crontab(path: str) -> None:
+    """Parse and declare the file's entries (raising at the first bad one, FILE:LINE), and print
+    each with its name, schedule and next three runs; nothing is opened or started."""
+    entries = _parse_crontab(_read_crontab(path), path)
+    scheduler = Scheduler(os.devnull)  # (declared only: never opened)
+    _declare_crontab(scheduler, entries, path)
+    for entry in entries:
+        job = scheduler._jobs[entry.name]
+        if isinstance(job.schedule, _OnStart):
+            upcoming = "when the group of processes starts"
+        else:
+            zone = job.schedule.zone if isinstance(job.schedule, _Calendar) else _local_zone()
+            times = scheduler.upcoming(entry.name, count=3)
+            upcoming = ", ".join(t.astimezone(zone).isoformat(timespec="seconds") for t in times)
+        print(f"{path}:{entry.line}: {entry.name}: {job.schedule.description}: next {upcoming or 'never'}")
+    print(f"{path}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, no errors")
 
 
 def _run_crontab(scheduler: Scheduler, path: str) -> None:
@@ -5755,7 +5819,11 @@ def _parser() -> argparse.ArgumentParser:
     command("run", "run the Scheduler that MODULE:ATTRIBUTE names").add_argument(
         "target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one"
     )
-    command("crontab", "run a crontab file of shell commands").add_argument("file", help="the crontab file")
+    crontab = command("crontab", "run a crontab file of shell commands")
+    crontab.add_argument("file", help="the crontab file")
+    crontab.add_argument(
+        "--check", action="store_true", help="only read the file: list each entry and its next 3 runs, start nothing"
+    )
     return parser
 
 
@@ -5774,6 +5842,9 @@ def _command(args: argparse.Namespace) -> int:
         _configure_logging(args.log_level, args.log_format)
     if args.command == "run":
         _run_target(_load_scheduler(args.target), args.target)
+        return 0
+    if args.command == "crontab" and args.check:
+        _check_crontab(args.file)
         return 0
     if not args.db:
         raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,7 +130,10 @@ def test_failing_command_exit_code_and_output_in_history(tmp_path, daemons):
     killed = wait_until(lambda: [r for r in history(db, "killed") if r["status"] == "failed"], what="killed")[0]
     assert killed["error"] == "killed by SIGTERM"
     assert record["output"].splitlines() == ["line 1", "line 2", "line 3", "oops"]
-    assert "broken" in cli(db, "history").stdout
+    table = cli(db, "history", "--job", "broken").stdout.splitlines()
+    assert "DURATION" in table[0] and "OUTPUT" in table[0]
+    failed = next(line for line in table if " failed " in line)
+    assert failed.rstrip().endswith("exit code 3  | oops") and re.search(r" \d+\.\d\ds ", failed), failed
 
 
 def test_bad_crontab_line_is_reported_with_its_line_number(tmp_path):
@@ -326,6 +330,38 @@ def test_crontab_mistakes_are_one_line_with_file_and_line(tmp_path):
     bad_crontab(tmp_path, "SHELL=/bin/no-such-shell\n\n@hourly true\n", f"{path}:3:", "SHELL=/bin/no-such-shell")
     bad_crontab(tmp_path, "@every 999999999999w true\n", f"{path}:1:", "100 years")
     bad_crontab(tmp_path, "# name: j, lease: 1ms\n@hourly true\n", f"{path}:2:", "lease")
+    bad_crontab(tmp_path, "# name: my job\n@hourly true\n", f"{path}:1:", "cannot read 'job'")  # not named 'my'
+    bad_crontab(tmp_path, "\n0 3 * * * root /usr/bin/true\n", f"{path}:2:", "user column")  # not a program 'root'
+
+
+def test_crontab_check_lists_each_entry_and_its_next_runs_and_starts_nothing(tmp_path):
+    crontab = tmp_path / "crontab"
+    crontab.write_text("CRON_TZ=Europe/Athens\n# name: backup\n0 3 * * MON-SUN /usr/bin/true\n@every 90m true\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "crontab", "--check", str(crontab)],
+        check=False,
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"{crontab}:3: backup: cron 0 3 * * MON-SUN Europe/Athens: next ")
+    assert lines[0].count("T03:00:00+02:00") == 3, lines[0]  # in the job's zone, every day
+    assert lines[1].startswith(f"{crontab}:4: every-") and lines[-1].endswith("2 entries, no errors")
+    assert os.listdir(tmp_path) == ["crontab"]  # no database made, nothing started
+    crontab.write_text("# name: x\n61 * * * * true\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "crontab", "--check", str(crontab)],
+        check=False,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and f"{crontab}:2:" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_command_line_mistakes_are_one_line(tmp_path):

@@ -200,6 +200,9 @@ def test_names_and_sunday_as_seven():
         "0 12 * 1,3 1-5", "UTC", after, 40
     )
     assert upcoming_cron("0 0 * * 7", "UTC", after, 5) == upcoming_cron("0 0 * * 0", "UTC", after, 5)
+    # SUN at a range's end is 7, as cronie reads it: MON-SUN is every day, FRI-SUN the weekend
+    assert upcoming_cron("0 0 * * MON-SUN", "UTC", after, 10) == upcoming_cron("0 0 * * *", "UTC", after, 10)
+    assert upcoming_cron("0 0 * * fri-sun", "UTC", after, 9) == upcoming_cron("0 0 * * 5-7", "UTC", after, 9)
 
 
 @pytest.mark.parametrize(
