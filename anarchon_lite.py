@@ -5172,10 +5172,12 @@ _CRONTAB_OPTIONS = (
     "lease",
     "grace",
     "max_attempts",
+    "on_failure",  # (the rest of its comment line: a command)
 )
 _OPTION_COMMENT = re.compile(r"#\s*(" + "|".join(_CRONTAB_OPTIONS) + r")\s*:", re.IGNORECASE)
 _OPTION_PAIR = re.compile(r"(\w+)\s*:\s*([^\s,]+)")
 _ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
+_ON_FAILURE = re.compile(r"#\s*on_failure\s*:\s*(\S.*)$", re.IGNORECASE)
 
 
 class CrontabError(ConfigError):
@@ -5214,6 +5216,7 @@ class _CrontabEntry:
     command: str
     env: dict[str, str]
     options: dict[str, Any]
+    on_failure: str | None = None  # a command run after an attempt failed or timed out
 
 
 def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
@@ -5235,6 +5238,13 @@ def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                 value = value[1:-1]
             env[assignment.group(1)] = value
+            if assignment.group(1) == "MAILTO" and value:
+                _log.warning(
+                    "%s:%d: MAILTO is ignored: anarchon-lite sends no mail; put '# on_failure: COMMAND' above an "
+                    "entry to run a command (such as mail) after it fails",
+                    path,
+                    number,
+                )
             continue
         entries.append(_crontab_entry(line, number, path, dict(env), pending))
         pending = {}
@@ -5246,6 +5256,9 @@ def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
 
 
 def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
+    hook = _ON_FAILURE.match(line)
+    if hook:
+        return {"on_failure": hook.group(1).strip()}
     options: dict[str, Any] = {}
     left = _OPTION_PAIR.sub(" ", line.lstrip("#")).replace(",", " ").split()
     if left:
@@ -5288,7 +5301,8 @@ def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], optio
         raise CrontabError(path, number, problem)
     digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
     name = str(options.pop("name", None) or f"{kind}-{digest}")
-    return _CrontabEntry(number, name, kind, spec, command, env, options)
+    on_failure = options.pop("on_failure", None)
+    return _CrontabEntry(number, name, kind, spec, command, env, options, on_failure)
 
 
 _ARG_LIMIT = 131072  # bytes in one argument of execve on Linux (MAX_ARG_STRLEN), the terminating NUL included
@@ -5335,7 +5349,7 @@ def _find_program(name: str, path: str) -> str | None:
 
 def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
     for entry in entries:
-        handler = _command_handler(entry.command, entry.env)
+        handler = _command_handler(entry.command, entry.env, entry.on_failure)
         try:
             if entry.kind == "every":
                 scheduler.every(entry.name, entry.spec, handler, **entry.options)
@@ -5350,7 +5364,9 @@ def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: s
         job.definition = f"{job.schedule.description}: {entry.command}"
 
 
-def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext], Awaitable[str]]:
+def _command_handler(
+    command: str, env: dict[str, str], on_failure: str | None = None
+) -> Callable[[RunContext], Awaitable[str]]:
     """A handler that runs ``$SHELL -c command`` in a process group of its own, one copy at a time.
 
     Before it starts, the process group of an earlier attempt of the same run (a takeover after a
@@ -5360,6 +5376,13 @@ def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext]
     """
 
     me = _this_owner("")  # this process: its boot and pid namespace say where a recorded group can be seen
+    hooks: set[asyncio.Task[None]] = set()  # on_failure commands still running
+
+    def after_failure(ctx: RunContext, status: str, code: int | None, output: str) -> None:
+        if on_failure is not None:
+            task = asyncio.ensure_future(_run_on_failure(on_failure, env, ctx, status, code, output))
+            hooks.add(task)
+            task.add_done_callback(hooks.discard)
 
     async def run_command(ctx: RunContext) -> str:
         shell = env.get("SHELL", "/bin/sh")
@@ -5405,8 +5428,11 @@ def _command_handler(command: str, env: dict[str, str]) -> Callable[[RunContext]
             output = (output + f"\nanarchon-lite: the command left {left} in its process group; ended them\n")[
                 -_OUTPUT_TAIL:
             ]
+        if isinstance(ctx.signal.reason, RunTimeout):
+            after_failure(ctx, "timed_out", code, output)
         ctx.signal.throw_if_aborted()
         if code != 0:
+            after_failure(ctx, "failed", code, output)
             raise CommandFailed(code, output)
         return output
 
@@ -5424,6 +5450,51 @@ _REAPER = (
     'kill -s TERM -- "-$0" 2>/dev/null || exit 0; sleep 5; kill -s KILL -- "-$0" 2>/dev/null; exit 0'
 )
 _GROUP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for an aborted command's process group
+
+
+_ON_FAILURE_TIMEOUT = 60.0  # seconds an on_failure command may take before its group is ended
+
+
+async def _run_on_failure(
+    command: str, env: dict[str, str], ctx: RunContext, status: str, code: int | None, output: str
+) -> None:
+    """Run a crontab entry's ``on_failure`` command: the failed attempt in its environment, the
+    output's tail on its stdin, ended after ``_ON_FAILURE_TIMEOUT``; what goes wrong is logged."""
+    variables = {
+        **os.environ,
+        **env,
+        "ANARCHON_JOB": ctx.job,
+        "ANARCHON_SLOT": str(ctx.slot),
+        "ANARCHON_ATTEMPT": str(ctx.attempt),
+        "ANARCHON_SCHEDULED_AT": ctx.scheduled_at.isoformat(),
+        "ANARCHON_STATUS": status,
+        "ANARCHON_EXIT_CODE": "" if code is None else str(code),
+        "ANARCHON_ERROR": _exit_text(code) if status == "failed" and code is not None else status,
+    }
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            env.get("SHELL", "/bin/sh"),
+            "-c",
+            command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=variables,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        ctx.log.warning("on_failure: cannot start %r: %s", command, exc)
+        return
+    try:
+        said, _ = await asyncio.wait_for(proc.communicate(output.encode(errors="replace")), _ON_FAILURE_TIMEOUT)
+    except asyncio.TimeoutError:
+        _kill_group(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        ctx.log.warning("on_failure: %r did not end within %s: ended", command, format_duration(_ON_FAILURE_TIMEOUT))
+        return
+    if proc.returncode != 0:
+        tail = said.decode(errors="replace").strip()[-500:]
+        ctx.log.warning("on_failure: %r: %s%s", command, _exit_text(proc.returncode or 0), f": {tail}" if tail else "")
 
 
 async def _end_previous_group(ctx: RunContext, me: _Owner) -> None:

@@ -564,3 +564,30 @@ def test_under_the_journal_lines_carry_their_priority_and_no_timestamp(tmp_path,
     assert any(line.startswith("<6>anarchon_lite: bad ") and "started" in line for line in lines), lines
     assert any(line.startswith("<3>anarchon_lite: bad ") and "exit code 4" in line for line in lines), lines
     assert not any(line[3:7].isdigit() for line in lines), "no timestamp"
+
+
+def test_on_failure_runs_a_command_with_the_failed_attempt_and_its_output(tmp_path, daemons):
+    """'# on_failure: COMMAND' above an entry runs COMMAND after an attempt fails (the job, slot,
+    status and exit code in its environment, the output's tail on stdin), not after a success; a set
+    MAILTO is said to be ignored."""
+    db, told, body = str(tmp_path / "jobs.db"), tmp_path / "told.txt", tmp_path / "body.txt"
+    crontab = tmp_path / "crontab"
+    crontab.write_text(
+        "MAILTO=ops@example.com\n"
+        "# name: bad\n"
+        f'# on_failure: cat > {body}; echo "$ANARCHON_JOB $ANARCHON_STATUS $ANARCHON_EXIT_CODE $ANARCHON_SLOT" >> {told}\n'
+        "@every 24h echo the disk is full; exit 5\n"
+        "# name: good\n"
+        f"# on_failure: echo good >> {told}\n"
+        "@every 24h true\n"
+    )
+    daemons.start("--db", db, "crontab", str(crontab))
+    wait_until(lambda: os.path.exists(db) and "good" in cli(db, "status").stdout, what="registered")
+    cli(db, "trigger", "good")
+    cli(db, "trigger", "bad")
+    wait_until(lambda: told.exists() and told.read_text().strip(), what="on_failure ran")
+    wait_until(lambda: [r for r in history(db, "good") if r["status"] == "succeeded"], what="good ran")
+    record = next(r for r in history(db, "bad") if r["status"] == "failed")
+    assert told.read_text().split() == ["bad", "failed", "5", str(record["slot"])], told.read_text()
+    assert body.read_text() == "the disk is full\n"
+    assert "MAILTO is ignored" in (tmp_path / "daemon-0.log").read_text()
