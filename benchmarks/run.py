@@ -555,8 +555,8 @@ def burst(db: str, count: int, processes: int) -> dict[str, Any]:
         "started": len(starts),
         "distinct": len(set(jobs)),
         "per_process": [len(out["starts"]) for out in outs],
-        "p50_s": percentile(starts, 0.5),
-        "p99_s": percentile(starts, 0.99),
+        "p50_s": percentile(starts, 50),
+        "p99_s": percentile(starts, 99),
         "max_s": max(starts, default=float("nan")),
     }
 
