@@ -632,16 +632,25 @@ _DIGITS = re.compile(r"[0-9]+\Z")  # str.isdigit() takes "²", which int() refus
 
 
 def _cron_field(text: str, index: int, job: str) -> list[int]:
+    try:
+        return list(_cron_values(text, index))
+    except ValueError as exc:
+        raise ConfigError(str(exc), job=job, option="cron") from None
+
+
+@functools.lru_cache(maxsize=4096)  # (thousands of jobs declared with the same fields)
+def _cron_values(text: str, index: int) -> tuple[int, ...]:
+    """The values of cron field ``index`` written ``text``; ValueError says what is wrong."""
     name, low, high, names = _CRON_FIELDS[index]
 
     def number(token: str) -> int:
         value = names.get(token.upper()) if names else None
         if value is None:
             if not _DIGITS.match(token):
-                raise ConfigError(f"cron {name} field: {token!r} is not a number or name", job=job, option="cron")
+                raise ValueError(f"cron {name} field: {token!r} is not a number or name")
             value = int(token)
         if not low <= value <= high:
-            raise ConfigError(f"cron {name} field: {value} is outside {low}-{high}", job=job, option="cron")
+            raise ValueError(f"cron {name} field: {value} is outside {low}-{high}")
         return value
 
     values: set[int] = set()
@@ -650,7 +659,7 @@ def _cron_field(text: str, index: int, job: str) -> list[int]:
         step = 1
         if step_text:
             if not _DIGITS.match(step_text) or int(step_text) == 0:
-                raise ConfigError(f"cron {name} field: bad step in {item!r}", job=job, option="cron")
+                raise ValueError(f"cron {name} field: bad step in {item!r}")
             step = int(step_text)
         if body == "*":
             first, last = low, high
@@ -660,17 +669,17 @@ def _cron_field(text: str, index: int, job: str) -> list[int]:
             if index == 4 and b.upper() == "SUN":
                 last = 7  # as cronie reads it: MON-SUN, FRI-SUN (Sunday as 7 at a range's end)
             if first > last:
-                raise ConfigError(f"cron {name} field: range {item!r} runs backwards", job=job, option="cron")
+                raise ValueError(f"cron {name} field: range {item!r} runs backwards")
         elif body:
             first = number(body)
             last = high if step_text else first
         else:
-            raise ConfigError(f"cron {name} field: empty item in {text!r}", job=job, option="cron")
+            raise ValueError(f"cron {name} field: empty item in {text!r}")
         values.update(range(first, last + 1, step))
     if index == 4 and 7 in values:
         values.discard(7)
         values.add(0)
-    return sorted(values)
+    return tuple(sorted(values))
 
 
 class _Cron(_Calendar):
@@ -687,7 +696,7 @@ class _Cron(_Calendar):
         self.zone = zone
         self.elapsed = fields[0].startswith("*") or fields[1].startswith("*")
         self.description = f"cron {expr.strip()} {getattr(zone, 'key', None) or zone}"
-        if (self.dom_star or self.dow_star) and min(days) > max(_month_days(m) for m in months):
+        if (self.dom_star or self.dow_star) and min(days) > max(map(_month_days, months)):
             raise ConfigError(f"cron expression {expr!r} never fires", job=job, option="cron")
 
     def _day_matches(self, day: _dt.date) -> bool:
@@ -852,7 +861,7 @@ class _Declared:
     name: str
     schedule: str  # the schedule's description
     last_slot: int  # the watermark of a job new to the file: now
-    next_slot: int | None
+    next_slot: int | None  # the first occurrence after it (None for a job the file already holds)
     definition: str  # the schedule, and the command of a crontab entry
     declared_by: str
 
@@ -1242,8 +1251,8 @@ _SQL_REGISTER = (
     "INSERT INTO jobs (name, schedule, last_slot, next_slot, definition, declared_by, changed) "
     f"VALUES (:name, :schedule, :last_slot, :next_slot, :definition, :declared_by, {_SQL_NEXT_CHANGE}) "
     "ON CONFLICT (name) DO UPDATE SET "
-    "next_slot = CASE WHEN jobs.schedule != excluded.schedule OR jobs.next_slot IS NULL THEN excluded.next_slot "
-    "ELSE jobs.next_slot END, "
+    # (``next_slot`` is always the first occurrence after ``last_slot``, or NULL: unknown)
+    "next_slot = CASE WHEN jobs.schedule != excluded.schedule THEN NULL ELSE jobs.next_slot END, "
     "changed = CASE WHEN jobs.schedule = excluded.schedule AND jobs.next_slot IS NOT NULL "
     f"AND COALESCE(jobs.definition, '') = COALESCE(excluded.definition, '') THEN jobs.changed ELSE {_SQL_NEXT_CHANGE} END, "
     "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
@@ -1394,7 +1403,6 @@ class _SQLStore(_Store):
                 for job in jobs
                 if (row := before.get(job.name)) is None
                 or (row.schedule, row.definition) != (job.schedule, job.definition)
-                or row.next_slot is None
             ]
             conn.executemany(_SQL_REGISTER, fresh)
             return [
@@ -3690,11 +3698,14 @@ class _Job:
             self._logger = logging.getLogger(f"anarchon_lite.job.{self.name}")
         return self._logger
 
-    def next_due(self, last_slot: int) -> int | None:
-        """The first occurrence after ``last_slot``, computed once per watermark."""
+    def next_due(self, last_slot: int, stored: int | None = None) -> int | None:
+        """The first occurrence after ``last_slot``, computed once per watermark; or ``stored``,
+        the one the file holds for this declaration, when it is later than the watermark (the
+        process that moved the watermark computed it: a cron job's costs tens of microseconds)."""
         cached = self._next
         if cached is None or cached[0] != last_slot:
-            cached = self._next = (last_slot, self.schedule.next_after(last_slot))
+            following = stored if stored is not None and stored > last_slot else self.schedule.next_after(last_slot)
+            cached = self._next = (last_slot, following)
         return cached[1]
 
 
@@ -4393,7 +4404,9 @@ class _Agenda:
 
     def _entry(self, row: _JobRow) -> tuple[tuple[int, str], tuple[_Job, _JobRow]] | None:
         job = self.jobs.get(row.name)
-        due = None if job is None or row.paused else job.next_due(row.last_slot)
+        if job is None or row.paused:
+            return None
+        due = job.next_due(row.last_slot, row.next_slot if row.definition == job.definition else None)
         return None if job is None or due is None else ((due, row.name), (job, row))
 
     def current(self, jobs: dict[str, _Job]) -> bool:
@@ -4668,13 +4681,23 @@ class Scheduler:
         if not self._jobs:
             return
         now = _ms(self._clock.time())
-        jobs = [
-            _Declared(
-                job.name, job.schedule.description, now, job.schedule.next_after(now), job.definition, self.instance
-            )
-            for job in self._jobs.values()
-        ]
-        for row in await call(lambda s: s.register(jobs)):
+
+        def declare(store: _Store) -> list[_JobRow]:
+            held = {row.name for row in store.jobs()}  # (a job new to the file starts at now: its next occurrence)
+            declared = [
+                _Declared(
+                    job.name,
+                    job.schedule.description,
+                    now,
+                    None if job.name in held else job.schedule.next_after(now),
+                    job.definition,
+                    self.instance,
+                )
+                for job in self._jobs.values()
+            ]
+            return store.register(declared)
+
+        for row in await call(declare):
             self._disagree(row, "now holds this one's")
 
     def _replace_jobs(self, jobs: dict[str, _Job]) -> None:

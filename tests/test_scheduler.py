@@ -1166,7 +1166,7 @@ def test_a_change_made_by_another_process_is_read_alone_not_with_every_job(store
         for i in range(100):
             s.every(f"job-{i}", "24h", lambda ctx: None, offset=QUIET)
         async with s:
-            await wait_for(lambda: reads and len(reads[0]) == 100, message="the first read, whole")
+            await wait_for(lambda: any(len(rows) == 100 for rows in reads), message="the first read, whole")
             first = len(reads)
             await make(store).pause("job-7")
             await wait_for(
