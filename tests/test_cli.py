@@ -15,15 +15,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 
 
-def cli(db, *args, check=True):
-    done = subprocess.run(
-        [sys.executable, "-m", "anarchon_lite", "--db", db, *args],
+def anarchon(*args, cwd=None):
+    """One run of the command line, to its end (its output as text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", *args],
         capture_output=True,
         text=True,
         env=ENV,
+        cwd=cwd,
         timeout=60,
         check=False,
     )
+
+
+def cli(db, *args, check=True):
+    done = anarchon("--db", db, *args)
     if check and done.returncode != 0:
         raise AssertionError(f"{args} failed: {done.stderr}")
     return done
@@ -337,15 +343,7 @@ def test_crontab_mistakes_are_one_line_with_file_and_line(tmp_path):
 def test_crontab_check_lists_each_entry_and_its_next_runs_and_starts_nothing(tmp_path):
     crontab = tmp_path / "crontab"
     crontab.write_text("CRON_TZ=Europe/Athens\n# name: backup\n0 3 * * MON-SUN /usr/bin/true\n@every 90m true\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "anarchon_lite", "crontab", "--check", str(crontab)],
-        check=False,
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = anarchon("crontab", "--check", str(crontab), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith(f"{crontab}:3: backup: cron 0 3 * * MON-SUN Europe/Athens: next ")
@@ -353,14 +351,7 @@ def test_crontab_check_lists_each_entry_and_its_next_runs_and_starts_nothing(tmp
     assert lines[1].startswith(f"{crontab}:4: every-") and lines[-1].endswith("2 entries, no errors")
     assert os.listdir(tmp_path) == ["crontab"]  # no database made, nothing started
     crontab.write_text("# name: x\n61 * * * * true\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "anarchon_lite", "crontab", "--check", str(crontab)],
-        check=False,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = anarchon("crontab", "--check", str(crontab))
     assert done.returncode == 2 and f"{crontab}:2:" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -374,15 +365,7 @@ def test_command_line_mistakes_are_one_line(tmp_path):
     ):
         write_jobs(tmp_path, db, "")
         (tmp_path / "broken.py").write_text("import not_installed\n")
-        done = subprocess.run(
-            [sys.executable, "-m", "anarchon_lite", "--db", db, *args],
-            check=False,
-            cwd=tmp_path,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = anarchon("--db", db, *args, cwd=tmp_path)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("anarchon-lite") and done.stderr.count("\n") == 1, done.stderr
         assert expected in done.stderr, done.stderr
@@ -406,14 +389,7 @@ def test_options_before_or_after_the_command_and_each_control_command_says_what_
     asyncio.run(declare())
 
     def command(*args):
-        done = subprocess.run(
-            [sys.executable, "-m", "anarchon_lite", *args],
-            check=False,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = anarchon(*args)
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 

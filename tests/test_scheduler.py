@@ -54,6 +54,19 @@ async def last_succeeded(s, job, slot):
     return any(r.slot == slot and r.status == "succeeded" for r in await s.history(job, limit=1000))
 
 
+def counting_looks(s):
+    """A list that gets an item at each of the scheduler's looks."""
+    looks = []
+    tick = s._tick
+
+    async def counted(state):
+        looks.append(1)
+        await tick(state)
+
+    s._tick = counted
+    return looks
+
+
 def aligned(clock, interval):
     """Move the manual clock to just before the next multiple of ``interval``."""
     now = clock.time()
@@ -1134,14 +1147,7 @@ def test_a_look_computes_a_jobs_next_occurrence_once_per_watermark(db):
             return original(ms)
 
         schedule.next_after = counted
-        looks = []
-        tick = s._tick
-
-        async def counted_tick(state):
-            looks.append(1)
-            await tick(state)
-
-        s._tick = counted_tick
+        looks = counting_looks(s)
         async with s:
             await wait_for(lambda: len(looks) >= 20, message="twenty looks")
             assert (await s.status())[0].next_at is not None
@@ -1189,7 +1195,7 @@ def test_a_watermark_moved_by_an_older_version_is_read_and_not_claimed_again_and
     import sqlite3
 
     aligned(clock, HOUR)
-    claims, looks, seen = [], [], []
+    claims, seen = [], []
 
     def counted(claim_due_many, *args):
         claims.append(args[2])
@@ -1198,13 +1204,7 @@ def test_a_watermark_moved_by_an_older_version_is_read_and_not_claimed_again_and
     async def main():
         s = inject(make(db, clock), claim_due_many=counted)
         s.every("hourly", "1h", lambda ctx: seen.append(ctx.slot))
-        tick = s._tick
-
-        async def counted_tick(state):
-            looks.append(1)
-            await tick(state)
-
-        s._tick = counted_tick
+        looks = counting_looks(s)
         async with s:
             await wait_for(lambda: len(looks) >= 3, message="the first looks")
             slot = (int(clock.time()) // HOUR + 1) * HOUR * 1000
