@@ -1245,7 +1245,7 @@ class _Backend(abc.ABC):
 SCHEMA_VERSION = 4
 # Every write to a job row gives it the next change number (``changed``; writers take turns, so the
 # numbers are handed out in commit order): a process re-reads only the rows changed since the newest
-# number it has seen, not every job. A new declaration of the same schedule and definition is no change.
+# number it has seen, not every job. (``register`` writes only what is new or declared otherwise.)
 _SQL_NEXT_CHANGE = "(SELECT COALESCE(MAX(changed), 0) + 1 FROM jobs)"
 _SQL_REGISTER = (
     "INSERT INTO jobs (name, schedule, last_slot, next_slot, definition, declared_by, changed) "
@@ -1253,8 +1253,7 @@ _SQL_REGISTER = (
     "ON CONFLICT (name) DO UPDATE SET "
     # (``next_slot`` is always the first occurrence after ``last_slot``, or NULL: unknown)
     "next_slot = CASE WHEN jobs.schedule != excluded.schedule THEN NULL ELSE jobs.next_slot END, "
-    "changed = CASE WHEN jobs.schedule = excluded.schedule AND jobs.next_slot IS NOT NULL "
-    f"AND COALESCE(jobs.definition, '') = COALESCE(excluded.definition, '') THEN jobs.changed ELSE {_SQL_NEXT_CHANGE} END, "
+    f"changed = {_SQL_NEXT_CHANGE}, "
     "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
 )
 _SQL_JOB_COLUMNS = "name, schedule, paused, last_slot, next_slot, definition, declared_by, changed"
@@ -4407,7 +4406,7 @@ class _Agenda:
         if job is None or row.paused:
             return None
         due = job.next_due(row.last_slot, row.next_slot if row.definition == job.definition else None)
-        return None if job is None or due is None else ((due, row.name), (job, row))
+        return None if due is None else ((due, row.name), (job, row))
 
     def current(self, jobs: dict[str, _Job]) -> bool:
         """Whether it was made for these declarations."""
@@ -5103,7 +5102,7 @@ class Scheduler:
                 continue
             if item.missed:
                 count = item.missed_count
-                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, not run: downtime)"
+                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
                 _log_run(logging.WARNING, job.name, item.missed[-1][0], 0, what, status="missed", count=count)
             if isinstance(claim, _Claim):
                 self._runner.start(job, claim)
