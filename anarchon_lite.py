@@ -66,6 +66,7 @@ from typing import (
     NamedTuple,
     TypeVar,
     Union,
+    overload,
 )
 
 from dateutil import rrule as _rrule
@@ -78,6 +79,7 @@ __all__ = [
     "AnarchonError",
     "CancelToken",
     "Cancelled",
+    "Checkpoint",
     "CheckpointStore",
     "Clock",
     "CommandFailed",
@@ -104,6 +106,7 @@ _log = logging.getLogger("anarchon_lite")
 _UTC = _dt.timezone.utc
 T = TypeVar("T")
 Handler = Callable[["RunContext"], Any]
+H = TypeVar("H", bound=Callable[..., Any])  # a handler, as declared: the decorators give it back unchanged
 DurationLike = Union[int, float, _dt.timedelta, str]
 
 
@@ -4588,6 +4591,16 @@ class Scheduler:
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
+    @overload
+    def every(
+        self, name: str, interval: DurationLike, handler: None = None, *, offset: DurationLike = 0, **options: Any
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def every(
+        self, name: str, interval: DurationLike, handler: H, *, offset: DurationLike = 0, **options: Any
+    ) -> H: ...
+
     def every(
         self,
         name: str,
@@ -4602,6 +4615,14 @@ class Scheduler:
         shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
         return self._declare(name, _Every(seconds, shift), handler, options)
 
+    @overload
+    def cron(
+        self, name: str, expr: str, handler: None = None, *, tz: None | str | _dt.tzinfo = None, **options: Any
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def cron(self, name: str, expr: str, handler: H, *, tz: None | str | _dt.tzinfo = None, **options: Any) -> H: ...
+
     def cron(
         self,
         name: str,
@@ -4615,6 +4636,22 @@ class Scheduler:
         if not isinstance(expr, str):
             raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
         return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
+
+    @overload
+    def rrule(
+        self,
+        name: str,
+        rule: str | _rrule.rrule,
+        handler: None = None,
+        *,
+        tz: None | str | _dt.tzinfo = None,
+        **options: Any,
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def rrule(
+        self, name: str, rule: str | _rrule.rrule, handler: H, *, tz: None | str | _dt.tzinfo = None, **options: Any
+    ) -> H: ...
 
     def rrule(
         self,

@@ -1239,3 +1239,45 @@ def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed
         assert lost == 0
 
     run(main())
+
+
+def test_decorated_handlers_keep_their_types_for_mypy(tmp_path):
+    """every/cron/rrule, as decorators and as calls, give the handler back with its type (overloads),
+    and the names a user script needs are exported: mypy --strict finds nothing in such a script,
+    not even with --disallow-any-decorated."""
+    pytest.importorskip("mypy")  # (not installable on Python 3.9: pyproject's test extra skips it there)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import anarchon_lite
+
+    (tmp_path / "user.py").write_text(
+        "import asyncio\n"
+        "from anarchon_lite import Checkpoint, RunContext, Scheduler\n"
+        "scheduler = Scheduler('jobs.db')\n\n"
+        "@scheduler.every('export', '1h', timeout='50m')\n"
+        "async def export(ctx: RunContext) -> int:\n"
+        "    checkpoint: Checkpoint = ctx.checkpoint\n"
+        "    await checkpoint.set(1)\n"
+        "    return 1\n\n"
+        "@scheduler.cron('backup', '0 3 * * *')\n"
+        "def backup(ctx: RunContext) -> str:\n"
+        "    return ctx.job\n\n"
+        "def report(ctx: RunContext) -> None:\n"
+        "    return None\n\n"
+        "same = scheduler.rrule('report', 'FREQ=DAILY', report)\n"
+        "count: int = asyncio.run(export(ctx=None))  # type: ignore[arg-type]\n"
+        "name: str = backup(ctx=None)  # type: ignore[arg-type]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--disallow-any-decorated", "--warn-unused-ignores", "user.py"],
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(Path(anarchon_lite.__file__).parent)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
