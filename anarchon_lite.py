@@ -84,6 +84,7 @@ __all__ = [
     "Clock",
     "CommandFailed",
     "ConfigError",
+    "Control",
     "CrontabError",
     "HandlerEscaped",
     "JobNotFound",
@@ -4576,6 +4577,8 @@ class Scheduler:
         self._attempts = self._runner.running  #: this process's running attempts, by (job, slot)
         self._signal_tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
+        self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
         self._stopping = False
         self._wake: asyncio.Future[None] | None = None
         self._poked = False
@@ -4884,6 +4887,46 @@ class Scheduler:
         main = self._main
         if main is not None and main is not asyncio.current_task():
             await asyncio.wait({main})
+
+    def start_in_thread(self) -> None:
+        """Run the scheduler in a thread of its own, on an event loop of its own, for code that is
+        not async (Flask, Django, a script); returns once it has looked at the file once (or raises
+        why it could not). Handlers run on that loop, plain functions in worker threads as always.
+        Signals stay the application's: stop it with ``stop_thread`` (from a SIGTERM handler, an
+        ``atexit`` function, a test's teardown)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise ConfigError("this scheduler already runs in a thread")
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        async def serve() -> None:
+            try:
+                await self.__aenter__()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of start_in_thread
+                started.set_exception(exc)
+                return
+            self._thread_loop = asyncio.get_running_loop()
+            started.set_result(None)
+            assert self._main is not None
+            await asyncio.wait({self._main})
+
+        self._thread = threading.Thread(target=asyncio.run, args=(serve(),), name=f"anarchon-{self.instance}")
+        self._thread.daemon = True
+        self._thread.start()
+        started.result()
+
+    def stop_thread(self, grace: DurationLike = 10.0, timeout: float | None = None) -> None:
+        """Stop the scheduler that ``start_in_thread`` started, as ``stop(grace)`` does, and wait
+        (up to ``timeout`` seconds, if given) for its thread to end."""
+        thread, loop = self._thread, self._thread_loop
+        if thread is None:
+            return
+        if loop is not None and thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self.stop(grace), loop).result(timeout)
+            except RuntimeError:  # its loop ended meanwhile
+                pass
+        thread.join(timeout)
+        self._thread = self._thread_loop = None
 
     def _poke(self) -> None:
         """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
@@ -5208,6 +5251,35 @@ class Scheduler:
                 break
             frame = frame.f_back
         return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
+
+
+class Control:
+    """The jobs of a database, for code that is not async (a Flask view, a Django command, a
+    script): the same calls as ``Scheduler``'s, each run to its end on an event loop of its own.
+    Do not call it from async code (use the ``Scheduler``); the command line is built on it."""
+
+    def __init__(self, path: str, *, read_only: bool = False):
+        self.scheduler = Scheduler(path, read_only=read_only)  #: what the calls go through
+
+    def status(self) -> list[JobStatus]:
+        return asyncio.run(self.scheduler.status())
+
+    def history(self, job: str | None = None, limit: int = 100) -> list[RunRecord]:
+        return asyncio.run(self.scheduler.history(job, limit))
+
+    def trigger(self, name: str) -> int:
+        """Record a run of ``name`` due now; its slot. ``JobNotFound`` if the database has no such job."""
+        return asyncio.run(self.scheduler.trigger(name))
+
+    def pause(self, name: str) -> None:
+        asyncio.run(self.scheduler.pause(name))
+
+    def resume(self, name: str) -> None:
+        asyncio.run(self.scheduler.resume(name))
+
+    def cancel(self, name: str) -> int:
+        """Cancel the unfinished runs of ``name``; how many."""
+        return asyncio.run(self.scheduler.cancel(name))
 
 
 @dataclasses.dataclass
@@ -5998,24 +6070,15 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
-    scheduler = Scheduler(args.db, read_only=args.command in ("status", "history"))
+    control = Control(args.db, read_only=args.command in ("status", "history"))
     if args.command == "status":
-        _print_status(asyncio.run(scheduler.status()), args.json)
+        _print_status(control.status(), args.json)
     elif args.command == "history":
-        _print_history(asyncio.run(scheduler.history(args.job, args.limit)), args.json)
+        _print_history(control.history(args.job, args.limit), args.json)
     else:
-        _confirm(args.command, args.name, asyncio.run(_control(scheduler, args.command, args.name)), args.json)
+        result = getattr(control, args.command)(args.name)  # trigger: its slot; cancel: how many; else None
+        _confirm(args.command, args.name, result, args.json)
     return 0
-
-
-async def _control(scheduler: Scheduler, command: str, name: str) -> int | None:
-    """trigger (its slot), pause, resume or cancel (how many runs) ``name``."""
-    if command == "trigger":
-        return await scheduler.trigger(name)
-    if command == "cancel":
-        return await scheduler.cancel(name)
-    await (scheduler.pause(name) if command == "pause" else scheduler.resume(name))
-    return None
 
 
 def _confirm(command: str, name: str, result: int | None, as_json: bool) -> None:

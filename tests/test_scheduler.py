@@ -1281,3 +1281,31 @@ def test_decorated_handlers_keep_their_types_for_mypy(tmp_path):
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_sync_code_runs_the_scheduler_in_a_thread_and_steers_it_with_control(db):
+    """No event loop in sight: start_in_thread returns once the scheduler has joined, Control's
+    plain calls trigger, pause and read it, and stop_thread hands over and ends the thread."""
+    from anarchon_lite import Control
+
+    seen = []
+    s = make(db)
+    s.every("sync", "24h", lambda ctx: seen.append(ctx.slot), offset=QUIET)
+    s.start_in_thread()
+    try:
+        with pytest.raises(ConfigError, match="already runs in a thread"):
+            s.start_in_thread()
+        control = Control(db)
+        slot = control.trigger("sync")
+        deadline = time.monotonic() + 20
+        while slot not in seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen == [slot]
+        control.pause("sync")
+        assert [j.paused for j in control.status()] == [True]
+        assert control.history("sync")[0].status == "succeeded"
+        with pytest.raises(JobNotFound):
+            control.trigger("nope")
+    finally:
+        s.stop_thread(timeout=30)
+    assert s._thread is None and not any(t.name == f"anarchon-{s.instance}" for t in threading.enumerate())
