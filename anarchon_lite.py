@@ -63,9 +63,11 @@ from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator,
 from typing import (
     Any,
     Callable,
+    Literal,
     NamedTuple,
     TypeVar,
     Union,
+    cast,
     overload,
 )
 
@@ -91,6 +93,7 @@ __all__ = [
     "JobStatus",
     "LeaseLost",
     "RunContext",
+    "RunEvent",
     "RunInfo",
     "RunRecord",
     "RunTimeout",
@@ -4131,32 +4134,91 @@ def _tail(value: object, size: int = 4096) -> str | None:
 
 # Every attempt's start and end is logged, with ``extra`` fields (job, slot, attempt, status,
 # duration) for handlers that keep structure: INFO for a start and a success, ERROR for a failure or
-# a timeout (with the error's last lines and the output's), WARNING for any other end.
+# a timeout (with the error's last lines and the output's), WARNING for any other end. The same
+# moments are ``RunEvent``s for the listeners of ``Scheduler.on_event``.
 _END_LEVELS = {"succeeded": logging.INFO, "failed": logging.ERROR, "timed_out": logging.ERROR}
 _LOGGED_OUTPUT_LINES = 10
+EventKind = Literal[
+    "started",
+    "succeeded",
+    "failed",
+    "timed_out",
+    "interrupted",
+    "handed_over",
+    "cancelled",
+    "lost",
+    "skipped",
+    "missed",
+    "taken_over",
+]
 
 
-def _log_run(level: int, job: str, slot: int, attempt: int, what: str, **fields: Any) -> None:
-    if _log.isEnabledFor(level):
-        when = _utc_from_ms(slot).isoformat(timespec="seconds").replace("+00:00", "Z")
-        name = f"{job} {when}" + (f" attempt {attempt}" if attempt else "")
-        _log.log(level, "%s %s", name, what, extra={"job": job, "slot": slot, "attempt": attempt, **fields})
+@dataclasses.dataclass(frozen=True)
+class RunEvent:
+    """What just happened to a run in this process, as ``Scheduler.on_event`` listeners get it.
+
+    ``kind``: ``started``; an end (``succeeded``, ``failed``, ``timed_out``, ``cancelled``,
+    ``interrupted``, ``handed_over`` when an interrupted run goes to the next process, ``lost`` when
+    another attempt took it); ``skipped`` or ``missed`` (attempt 0; ``count`` says how many were
+    missed); ``taken_over`` (this process takes a run over as ``attempt``; ``error`` says why).
+    ``duration`` (seconds) and ``error`` come with an end."""
+
+    kind: EventKind
+    job: str
+    slot: int
+    attempt: int
+    instance: str
+    duration: float | None = None
+    error: str | None = None
+    count: int | None = None
 
 
-def _log_end(attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
-    claim, status = attempt.claim, outcome.status or "lost"
-    what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
-    if then is _Then.RETRY:
-        what += ", to be retried"
-    elif then is _Then.HANDOVER:
-        what += ", handed over"
-    if outcome.error and status != "succeeded":
-        what += f": {outcome.error}"
-    if outcome.output and status in ("failed", "timed_out"):
-        tail = outcome.output.rstrip("\n").splitlines()[-_LOGGED_OUTPUT_LINES:]
-        what += "".join(f"\n  | {line}" for line in tail)
-    level = _END_LEVELS.get(status, logging.WARNING)
-    _log_run(level, claim.job, claim.slot, claim.attempt, what, status=status, duration=round(duration, 3))
+class _Events:
+    """Logs what happens to runs and tells the listeners (on the event loop's thread)."""
+
+    def __init__(self, instance: str):
+        self.instance = instance
+        self.listeners: list[Callable[[RunEvent], object]] = []  #: in the order they were added
+
+    def tell(self, level: int, kind: EventKind, job: str, slot: int, attempt: int, what: str, **fields: Any) -> None:
+        if _log.isEnabledFor(level):
+            when = _utc_from_ms(slot).isoformat(timespec="seconds").replace("+00:00", "Z")
+            name = f"{job} {when}" + (f" attempt {attempt}" if attempt else "")
+            extra = {"job": job, "slot": slot, "attempt": attempt, **{k: v for k, v in fields.items() if k != "error"}}
+            _log.log(level, "%s %s", name, what, extra=extra)
+        if self.listeners:
+            event = RunEvent(
+                kind,
+                job,
+                slot,
+                attempt,
+                self.instance,
+                fields.get("duration"),
+                fields.get("error"),
+                fields.get("count"),
+            )
+            for listener in list(self.listeners):
+                try:
+                    listener(event)
+                except Exception:  # noqa: BLE001 - a listener must never break a run
+                    _log.exception("an on_event listener failed on %s of %s", kind, job)
+
+    def end(self, attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
+        claim, status = attempt.claim, outcome.status or "lost"
+        what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
+        kind: EventKind = "handed_over" if then is _Then.HANDOVER else cast(EventKind, status)
+        if then is _Then.RETRY:
+            what += ", to be retried"
+        elif then is _Then.HANDOVER:
+            what += ", handed over"
+        if outcome.error and status != "succeeded":
+            what += f": {outcome.error}"
+        if outcome.output and status in ("failed", "timed_out"):
+            tail = outcome.output.rstrip("\n").splitlines()[-_LOGGED_OUTPUT_LINES:]
+            what += "".join(f"\n  | {line}" for line in tail)
+        level = _END_LEVELS.get(status, logging.WARNING)
+        fields = {"status": status, "duration": round(duration, 3), "error": outcome.error}
+        self.tell(level, kind, claim.job, claim.slot, claim.attempt, what, **fields)
 
 
 class _Runner:
@@ -4165,9 +4227,16 @@ class _Runner:
     waiting for them all. Lives on the event loop."""
 
     def __init__(
-        self, link: _StoreLink, clock: Clock, instance: str, checkpoints: CheckpointStore, poke: Callable[[], None]
+        self,
+        link: _StoreLink,
+        clock: Clock,
+        instance: str,
+        checkpoints: CheckpointStore,
+        poke: Callable[[], None],
+        events: _Events,
     ):
         self._link, self._clock, self._instance = link, clock, instance
+        self._events = events
         self._checkpoints = checkpoints
         self._poke = poke  #: called after an end that leaves the run to be claimed: the scheduler looks again
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
@@ -4227,7 +4296,7 @@ class _Runner:
         self._heartbeats.add(attempt)
         self._watchdog.acquire()
         attempt.started = self._clock.monotonic()
-        _log_run(logging.INFO, claim.job, claim.slot, claim.attempt, "started", status="running")
+        self._events.tell(logging.INFO, "started", claim.job, claim.slot, claim.attempt, "started", status="running")
         cancel_timeout = _nothing
         if job.options.timeout is not None:
             limit = job.options.timeout
@@ -4319,7 +4388,7 @@ class _Runner:
         """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
-            _log_end(attempt, outcome, duration, _Then.DONE)
+            self._events.end(attempt, outcome, duration, _Then.DONE)
             return
         claim, options = attempt.claim, attempt.job.options
         then, not_before = _Then.DONE, 0
@@ -4330,7 +4399,7 @@ class _Runner:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
             then, not_before = _Then.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
-        _log_end(attempt, outcome, duration, then)
+        self._events.end(attempt, outcome, duration, then)
         for tries in range(60):
             try:
                 await self._finish(end)
@@ -4573,7 +4642,8 @@ class Scheduler:
         self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
         self._link = _StoreLink(backend, self._register)  #: the store, and every connection to it (``_link.backend``)
         self.checkpoints = CheckpointStore(self._link, self._clock)
-        self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke)
+        self._events = _Events(self.instance)
+        self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke, self._events)
         self._attempts = self._runner.running  #: this process's running attempts, by (job, slot)
         self._signal_tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[None] | None = None
@@ -4888,6 +4958,13 @@ class Scheduler:
         if main is not None and main is not asyncio.current_task():
             await asyncio.wait({main})
 
+    def on_event(self, listener: Callable[[RunEvent], object]) -> Callable[[], None]:
+        """Call ``listener(event)`` for each ``RunEvent`` of this process (for metrics, alerts); it
+        runs on the event loop's thread and must be quick. One that raises is logged and kept.
+        Returns a function that removes it."""
+        self._events.listeners.append(listener)
+        return lambda: self._events.listeners.remove(listener) if listener in self._events.listeners else None
+
     def start_in_thread(self) -> None:
         """Run the scheduler in a thread of its own, on an event loop of its own, for code that is
         not async (Flask, Django, a script); returns once it has looked at the file once (or raises
@@ -5183,12 +5260,14 @@ class Scheduler:
             if item.missed:
                 count = item.missed_count
                 what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
-                _log_run(logging.WARNING, job.name, item.missed[-1][0], 0, what, status="missed", count=count)
+                self._events.tell(
+                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
+                )
             if isinstance(claim, _Claim):
                 self._runner.start(job, claim)
             elif item.run:
                 what = "skipped: the job's previous run is unfinished (overlap skip)"
-                _log_run(logging.WARNING, job.name, item.slot, 0, what, status="skipped")
+                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, what, status="skipped")
         return moved
 
     async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
@@ -5234,7 +5313,16 @@ class Scheduler:
         if claim is not None:
             if run.state == "running":
                 what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
-                _log_run(logging.WARNING, run.job, run.slot, run.attempt, what, status="taken_over")
+                self._events.tell(
+                    logging.WARNING,
+                    "taken_over",
+                    run.job,
+                    claim.slot,
+                    claim.attempt,
+                    what,
+                    status="taken_over",
+                    error=reason,
+                )
             self._runner.start(job, claim)
         return 0.0
 

@@ -1309,3 +1309,36 @@ def test_sync_code_runs_the_scheduler_in_a_thread_and_steers_it_with_control(db)
     finally:
         s.stop_thread(timeout=30)
     assert s._thread is None and not any(t.name == f"anarchon-{s.instance}" for t in threading.enumerate())
+
+
+def test_on_event_tells_listeners_what_happens_to_runs_and_survives_a_failing_one(db, clock, caplog):
+    aligned(clock, 60)
+    events = []
+
+    def broken_listener(event):
+        raise RuntimeError("the metrics server is down")
+
+    async def main():
+        s = make(db, clock)
+        s.every("ok", "1m", lambda ctx: None)
+        s.every("bad", "1m", lambda ctx: 1 / 0)
+        s.on_event(broken_listener)
+        remove = s.on_event(events.append)
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: has(s, "ok", "succeeded"))
+            await wait_for(lambda: has(s, "bad", "failed"))
+            await wait_for(lambda: len(events) >= 4)
+            remove()
+            await s.trigger("ok")
+            await wait_for(lambda: has(s, "ok", "succeeded", 2))
+        return s.instance
+
+    with caplog.at_level(logging.ERROR, logger="anarchon_lite"):
+        instance = run(main())
+    kinds = sorted((e.job, e.kind) for e in events)
+    assert kinds == [("bad", "failed"), ("bad", "started"), ("ok", "started"), ("ok", "succeeded")], kinds
+    failed = next(e for e in events if e.kind == "failed")
+    assert "ZeroDivisionError" in failed.error and failed.duration >= 0 and failed.instance == instance
+    assert failed.attempt == 1 and failed.slot % 60_000 == 0
+    assert any("on_event listener failed" in r.getMessage() for r in caplog.records)
