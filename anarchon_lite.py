@@ -63,9 +63,12 @@ from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator,
 from typing import (
     Any,
     Callable,
+    Literal,
     NamedTuple,
     TypeVar,
     Union,
+    cast,
+    overload,
 )
 
 from dateutil import rrule as _rrule
@@ -78,16 +81,19 @@ __all__ = [
     "AnarchonError",
     "CancelToken",
     "Cancelled",
+    "Checkpoint",
     "CheckpointStore",
     "Clock",
     "CommandFailed",
     "ConfigError",
+    "Control",
     "CrontabError",
     "HandlerEscaped",
     "JobNotFound",
     "JobStatus",
     "LeaseLost",
     "RunContext",
+    "RunEvent",
     "RunInfo",
     "RunRecord",
     "RunTimeout",
@@ -104,6 +110,7 @@ _log = logging.getLogger("anarchon_lite")
 _UTC = _dt.timezone.utc
 T = TypeVar("T")
 Handler = Callable[["RunContext"], Any]
+H = TypeVar("H", bound=Callable[..., Any])  # a handler, as declared: the decorators give it back unchanged
 DurationLike = Union[int, float, _dt.timedelta, str]
 
 
@@ -4127,32 +4134,91 @@ def _tail(value: object, size: int = 4096) -> str | None:
 
 # Every attempt's start and end is logged, with ``extra`` fields (job, slot, attempt, status,
 # duration) for handlers that keep structure: INFO for a start and a success, ERROR for a failure or
-# a timeout (with the error's last lines and the output's), WARNING for any other end.
+# a timeout (with the error's last lines and the output's), WARNING for any other end. The same
+# moments are ``RunEvent``s for the listeners of ``Scheduler.on_event``.
 _END_LEVELS = {"succeeded": logging.INFO, "failed": logging.ERROR, "timed_out": logging.ERROR}
 _LOGGED_OUTPUT_LINES = 10
+EventKind = Literal[
+    "started",
+    "succeeded",
+    "failed",
+    "timed_out",
+    "interrupted",
+    "handed_over",
+    "cancelled",
+    "lost",
+    "skipped",
+    "missed",
+    "taken_over",
+]
 
 
-def _log_run(level: int, job: str, slot: int, attempt: int, what: str, **fields: Any) -> None:
-    if _log.isEnabledFor(level):
-        when = _utc_from_ms(slot).isoformat(timespec="seconds").replace("+00:00", "Z")
-        name = f"{job} {when}" + (f" attempt {attempt}" if attempt else "")
-        _log.log(level, "%s %s", name, what, extra={"job": job, "slot": slot, "attempt": attempt, **fields})
+@dataclasses.dataclass(frozen=True)
+class RunEvent:
+    """What just happened to a run in this process, as ``Scheduler.on_event`` listeners get it.
+
+    ``kind``: ``started``; an end (``succeeded``, ``failed``, ``timed_out``, ``cancelled``,
+    ``interrupted``, ``handed_over`` when an interrupted run goes to the next process, ``lost`` when
+    another attempt took it); ``skipped`` or ``missed`` (attempt 0; ``count`` says how many were
+    missed); ``taken_over`` (this process takes a run over as ``attempt``; ``error`` says why).
+    ``duration`` (seconds) and ``error`` come with an end."""
+
+    kind: EventKind
+    job: str
+    slot: int
+    attempt: int
+    instance: str
+    duration: float | None = None
+    error: str | None = None
+    count: int | None = None
 
 
-def _log_end(attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
-    claim, status = attempt.claim, outcome.status or "lost"
-    what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
-    if then is _Then.RETRY:
-        what += ", to be retried"
-    elif then is _Then.HANDOVER:
-        what += ", handed over"
-    if outcome.error and status != "succeeded":
-        what += f": {outcome.error}"
-    if outcome.output and status in ("failed", "timed_out"):
-        tail = outcome.output.rstrip("\n").splitlines()[-_LOGGED_OUTPUT_LINES:]
-        what += "".join(f"\n  | {line}" for line in tail)
-    level = _END_LEVELS.get(status, logging.WARNING)
-    _log_run(level, claim.job, claim.slot, claim.attempt, what, status=status, duration=round(duration, 3))
+class _Events:
+    """Logs what happens to runs and tells the listeners (on the event loop's thread)."""
+
+    def __init__(self, instance: str):
+        self.instance = instance
+        self.listeners: list[Callable[[RunEvent], object]] = []  #: in the order they were added
+
+    def tell(self, level: int, kind: EventKind, job: str, slot: int, attempt: int, what: str, **fields: Any) -> None:
+        if _log.isEnabledFor(level):
+            when = _utc_from_ms(slot).isoformat(timespec="seconds").replace("+00:00", "Z")
+            name = f"{job} {when}" + (f" attempt {attempt}" if attempt else "")
+            extra = {"job": job, "slot": slot, "attempt": attempt, **{k: v for k, v in fields.items() if k != "error"}}
+            _log.log(level, "%s %s", name, what, extra=extra)
+        if self.listeners:
+            event = RunEvent(
+                kind,
+                job,
+                slot,
+                attempt,
+                self.instance,
+                fields.get("duration"),
+                fields.get("error"),
+                fields.get("count"),
+            )
+            for listener in list(self.listeners):
+                try:
+                    listener(event)
+                except Exception:  # noqa: BLE001 - a listener must never break a run
+                    _log.exception("an on_event listener failed on %s of %s", kind, job)
+
+    def end(self, attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
+        claim, status = attempt.claim, outcome.status or "lost"
+        what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
+        kind: EventKind = "handed_over" if then is _Then.HANDOVER else cast(EventKind, status)
+        if then is _Then.RETRY:
+            what += ", to be retried"
+        elif then is _Then.HANDOVER:
+            what += ", handed over"
+        if outcome.error and status != "succeeded":
+            what += f": {outcome.error}"
+        if outcome.output and status in ("failed", "timed_out"):
+            tail = outcome.output.rstrip("\n").splitlines()[-_LOGGED_OUTPUT_LINES:]
+            what += "".join(f"\n  | {line}" for line in tail)
+        level = _END_LEVELS.get(status, logging.WARNING)
+        fields = {"status": status, "duration": round(duration, 3), "error": outcome.error}
+        self.tell(level, kind, claim.job, claim.slot, claim.attempt, what, **fields)
 
 
 class _Runner:
@@ -4161,9 +4227,16 @@ class _Runner:
     waiting for them all. Lives on the event loop."""
 
     def __init__(
-        self, link: _StoreLink, clock: Clock, instance: str, checkpoints: CheckpointStore, poke: Callable[[], None]
+        self,
+        link: _StoreLink,
+        clock: Clock,
+        instance: str,
+        checkpoints: CheckpointStore,
+        poke: Callable[[], None],
+        events: _Events,
     ):
         self._link, self._clock, self._instance = link, clock, instance
+        self._events = events
         self._checkpoints = checkpoints
         self._poke = poke  #: called after an end that leaves the run to be claimed: the scheduler looks again
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
@@ -4223,7 +4296,7 @@ class _Runner:
         self._heartbeats.add(attempt)
         self._watchdog.acquire()
         attempt.started = self._clock.monotonic()
-        _log_run(logging.INFO, claim.job, claim.slot, claim.attempt, "started", status="running")
+        self._events.tell(logging.INFO, "started", claim.job, claim.slot, claim.attempt, "started", status="running")
         cancel_timeout = _nothing
         if job.options.timeout is not None:
             limit = job.options.timeout
@@ -4315,7 +4388,7 @@ class _Runner:
         """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
-            _log_end(attempt, outcome, duration, _Then.DONE)
+            self._events.end(attempt, outcome, duration, _Then.DONE)
             return
         claim, options = attempt.claim, attempt.job.options
         then, not_before = _Then.DONE, 0
@@ -4326,7 +4399,7 @@ class _Runner:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
             then, not_before = _Then.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
-        _log_end(attempt, outcome, duration, then)
+        self._events.end(attempt, outcome, duration, then)
         for tries in range(60):
             try:
                 await self._finish(end)
@@ -4569,10 +4642,13 @@ class Scheduler:
         self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
         self._link = _StoreLink(backend, self._register)  #: the store, and every connection to it (``_link.backend``)
         self.checkpoints = CheckpointStore(self._link, self._clock)
-        self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke)
+        self._events = _Events(self.instance)
+        self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke, self._events)
         self._attempts = self._runner.running  #: this process's running attempts, by (job, slot)
         self._signal_tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
+        self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
         self._stopping = False
         self._wake: asyncio.Future[None] | None = None
         self._poked = False
@@ -4588,6 +4664,16 @@ class Scheduler:
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
+    @overload
+    def every(
+        self, name: str, interval: DurationLike, handler: None = None, *, offset: DurationLike = 0, **options: Any
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def every(
+        self, name: str, interval: DurationLike, handler: H, *, offset: DurationLike = 0, **options: Any
+    ) -> H: ...
+
     def every(
         self,
         name: str,
@@ -4602,6 +4688,14 @@ class Scheduler:
         shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
         return self._declare(name, _Every(seconds, shift), handler, options)
 
+    @overload
+    def cron(
+        self, name: str, expr: str, handler: None = None, *, tz: None | str | _dt.tzinfo = None, **options: Any
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def cron(self, name: str, expr: str, handler: H, *, tz: None | str | _dt.tzinfo = None, **options: Any) -> H: ...
+
     def cron(
         self,
         name: str,
@@ -4615,6 +4709,22 @@ class Scheduler:
         if not isinstance(expr, str):
             raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
         return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
+
+    @overload
+    def rrule(
+        self,
+        name: str,
+        rule: str | _rrule.rrule,
+        handler: None = None,
+        *,
+        tz: None | str | _dt.tzinfo = None,
+        **options: Any,
+    ) -> Callable[[H], H]: ...
+
+    @overload
+    def rrule(
+        self, name: str, rule: str | _rrule.rrule, handler: H, *, tz: None | str | _dt.tzinfo = None, **options: Any
+    ) -> H: ...
 
     def rrule(
         self,
@@ -4847,6 +4957,53 @@ class Scheduler:
         main = self._main
         if main is not None and main is not asyncio.current_task():
             await asyncio.wait({main})
+
+    def on_event(self, listener: Callable[[RunEvent], object]) -> Callable[[], None]:
+        """Call ``listener(event)`` for each ``RunEvent`` of this process (for metrics, alerts); it
+        runs on the event loop's thread and must be quick. One that raises is logged and kept.
+        Returns a function that removes it."""
+        self._events.listeners.append(listener)
+        return lambda: self._events.listeners.remove(listener) if listener in self._events.listeners else None
+
+    def start_in_thread(self) -> None:
+        """Run the scheduler in a thread of its own, on an event loop of its own, for code that is
+        not async (Flask, Django, a script); returns once it has looked at the file once (or raises
+        why it could not). Handlers run on that loop, plain functions in worker threads as always.
+        Signals stay the application's: stop it with ``stop_thread`` (from a SIGTERM handler, an
+        ``atexit`` function, a test's teardown)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise ConfigError("this scheduler already runs in a thread")
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        async def serve() -> None:
+            try:
+                await self.__aenter__()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller of start_in_thread
+                started.set_exception(exc)
+                return
+            self._thread_loop = asyncio.get_running_loop()
+            started.set_result(None)
+            assert self._main is not None
+            await asyncio.wait({self._main})
+
+        self._thread = threading.Thread(target=asyncio.run, args=(serve(),), name=f"anarchon-{self.instance}")
+        self._thread.daemon = True
+        self._thread.start()
+        started.result()
+
+    def stop_thread(self, grace: DurationLike = 10.0, timeout: float | None = None) -> None:
+        """Stop the scheduler that ``start_in_thread`` started, as ``stop(grace)`` does, and wait
+        (up to ``timeout`` seconds, if given) for its thread to end."""
+        thread, loop = self._thread, self._thread_loop
+        if thread is None:
+            return
+        if loop is not None and thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self.stop(grace), loop).result(timeout)
+            except RuntimeError:  # its loop ended meanwhile
+                pass
+        thread.join(timeout)
+        self._thread = self._thread_loop = None
 
     def _poke(self) -> None:
         """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
@@ -5103,12 +5260,14 @@ class Scheduler:
             if item.missed:
                 count = item.missed_count
                 what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
-                _log_run(logging.WARNING, job.name, item.missed[-1][0], 0, what, status="missed", count=count)
+                self._events.tell(
+                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
+                )
             if isinstance(claim, _Claim):
                 self._runner.start(job, claim)
             elif item.run:
                 what = "skipped: the job's previous run is unfinished (overlap skip)"
-                _log_run(logging.WARNING, job.name, item.slot, 0, what, status="skipped")
+                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, what, status="skipped")
         return moved
 
     async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
@@ -5154,7 +5313,16 @@ class Scheduler:
         if claim is not None:
             if run.state == "running":
                 what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
-                _log_run(logging.WARNING, run.job, run.slot, run.attempt, what, status="taken_over")
+                self._events.tell(
+                    logging.WARNING,
+                    "taken_over",
+                    run.job,
+                    claim.slot,
+                    claim.attempt,
+                    what,
+                    status="taken_over",
+                    error=reason,
+                )
             self._runner.start(job, claim)
         return 0.0
 
@@ -5171,6 +5339,35 @@ class Scheduler:
                 break
             frame = frame.f_back
         return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
+
+
+class Control:
+    """The jobs of a database, for code that is not async (a Flask view, a Django command, a
+    script): the same calls as ``Scheduler``'s, each run to its end on an event loop of its own.
+    Do not call it from async code (use the ``Scheduler``); the command line is built on it."""
+
+    def __init__(self, path: str, *, read_only: bool = False):
+        self.scheduler = Scheduler(path, read_only=read_only)  #: what the calls go through
+
+    def status(self) -> list[JobStatus]:
+        return asyncio.run(self.scheduler.status())
+
+    def history(self, job: str | None = None, limit: int = 100) -> list[RunRecord]:
+        return asyncio.run(self.scheduler.history(job, limit))
+
+    def trigger(self, name: str) -> int:
+        """Record a run of ``name`` due now; its slot. ``JobNotFound`` if the database has no such job."""
+        return asyncio.run(self.scheduler.trigger(name))
+
+    def pause(self, name: str) -> None:
+        asyncio.run(self.scheduler.pause(name))
+
+    def resume(self, name: str) -> None:
+        asyncio.run(self.scheduler.resume(name))
+
+    def cancel(self, name: str) -> int:
+        """Cancel the unfinished runs of ``name``; how many."""
+        return asyncio.run(self.scheduler.cancel(name))
 
 
 @dataclasses.dataclass
@@ -5961,24 +6158,15 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
-    scheduler = Scheduler(args.db, read_only=args.command in ("status", "history"))
+    control = Control(args.db, read_only=args.command in ("status", "history"))
     if args.command == "status":
-        _print_status(asyncio.run(scheduler.status()), args.json)
+        _print_status(control.status(), args.json)
     elif args.command == "history":
-        _print_history(asyncio.run(scheduler.history(args.job, args.limit)), args.json)
+        _print_history(control.history(args.job, args.limit), args.json)
     else:
-        _confirm(args.command, args.name, asyncio.run(_control(scheduler, args.command, args.name)), args.json)
+        result = getattr(control, args.command)(args.name)  # trigger: its slot; cancel: how many; else None
+        _confirm(args.command, args.name, result, args.json)
     return 0
-
-
-async def _control(scheduler: Scheduler, command: str, name: str) -> int | None:
-    """trigger (its slot), pause, resume or cancel (how many runs) ``name``."""
-    if command == "trigger":
-        return await scheduler.trigger(name)
-    if command == "cancel":
-        return await scheduler.cancel(name)
-    await (scheduler.pause(name) if command == "pause" else scheduler.resume(name))
-    return None
 
 
 def _confirm(command: str, name: str, result: int | None, as_json: bool) -> None:

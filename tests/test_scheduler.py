@@ -1239,3 +1239,106 @@ def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed
         assert lost == 0
 
     run(main())
+
+
+def test_decorated_handlers_keep_their_types_for_mypy(tmp_path):
+    """every/cron/rrule, as decorators and as calls, give the handler back with its type (overloads),
+    and the names a user script needs are exported: mypy --strict finds nothing in such a script,
+    not even with --disallow-any-decorated."""
+    pytest.importorskip("mypy")  # (not installable on Python 3.9: pyproject's test extra skips it there)
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import anarchon_lite
+
+    (tmp_path / "user.py").write_text(
+        "import asyncio\n"
+        "from anarchon_lite import Checkpoint, RunContext, Scheduler\n"
+        "scheduler = Scheduler('jobs.db')\n\n"
+        "@scheduler.every('export', '1h', timeout='50m')\n"
+        "async def export(ctx: RunContext) -> int:\n"
+        "    checkpoint: Checkpoint = ctx.checkpoint\n"
+        "    await checkpoint.set(1)\n"
+        "    return 1\n\n"
+        "@scheduler.cron('backup', '0 3 * * *')\n"
+        "def backup(ctx: RunContext) -> str:\n"
+        "    return ctx.job\n\n"
+        "def report(ctx: RunContext) -> None:\n"
+        "    return None\n\n"
+        "same = scheduler.rrule('report', 'FREQ=DAILY', report)\n"
+        "count: int = asyncio.run(export(ctx=None))  # type: ignore[arg-type]\n"
+        "name: str = backup(ctx=None)  # type: ignore[arg-type]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--disallow-any-decorated", "--warn-unused-ignores", "user.py"],
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(Path(anarchon_lite.__file__).parent)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_sync_code_runs_the_scheduler_in_a_thread_and_steers_it_with_control(db):
+    """No event loop in sight: start_in_thread returns once the scheduler has joined, Control's
+    plain calls trigger, pause and read it, and stop_thread hands over and ends the thread."""
+    from anarchon_lite import Control
+
+    seen = []
+    s = make(db)
+    s.every("sync", "24h", lambda ctx: seen.append(ctx.slot), offset=QUIET)
+    s.start_in_thread()
+    try:
+        with pytest.raises(ConfigError, match="already runs in a thread"):
+            s.start_in_thread()
+        control = Control(db)
+        slot = control.trigger("sync")
+        deadline = time.monotonic() + 20
+        while slot not in seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert seen == [slot]
+        control.pause("sync")
+        assert [j.paused for j in control.status()] == [True]
+        assert control.history("sync")[0].status == "succeeded"
+        with pytest.raises(JobNotFound):
+            control.trigger("nope")
+    finally:
+        s.stop_thread(timeout=30)
+    assert s._thread is None and not any(t.name == f"anarchon-{s.instance}" for t in threading.enumerate())
+
+
+def test_on_event_tells_listeners_what_happens_to_runs_and_survives_a_failing_one(db, clock, caplog):
+    aligned(clock, 60)
+    events = []
+
+    def broken_listener(event):
+        raise RuntimeError("the metrics server is down")
+
+    async def main():
+        s = make(db, clock)
+        s.every("ok", "1m", lambda ctx: None)
+        s.every("bad", "1m", lambda ctx: 1 / 0)
+        s.on_event(broken_listener)
+        remove = s.on_event(events.append)
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: has(s, "ok", "succeeded"))
+            await wait_for(lambda: has(s, "bad", "failed"))
+            await wait_for(lambda: len(events) >= 4)
+            remove()
+            await s.trigger("ok")
+            await wait_for(lambda: has(s, "ok", "succeeded", 2))
+        return s.instance
+
+    with caplog.at_level(logging.ERROR, logger="anarchon_lite"):
+        instance = run(main())
+    kinds = sorted((e.job, e.kind) for e in events)
+    assert kinds == [("bad", "failed"), ("bad", "started"), ("ok", "started"), ("ok", "succeeded")], kinds
+    failed = next(e for e in events if e.kind == "failed")
+    assert "ZeroDivisionError" in failed.error and failed.duration >= 0 and failed.instance == instance
+    assert failed.attempt == 1 and failed.slot % 60_000 == 0
+    assert any("on_event listener failed" in r.getMessage() for r in caplog.records)
