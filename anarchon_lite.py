@@ -6014,7 +6014,7 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
-# The fields of a run's log records (``_log_run``), as a JSON line carries them.
+# The fields of a run's log records (``_Events.tell``), as a JSON line carries them.
 _LOG_FIELDS = ("job", "slot", "attempt", "status", "duration", "count")
 # sd-daemon(3) priorities: under systemd, a line that starts with one is filed at that level.
 _JOURNAL_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
