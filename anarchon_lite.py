@@ -29,7 +29,6 @@ lets it continue::
 from __future__ import annotations
 
 import abc
-import argparse
 import asyncio
 import bisect
 import concurrent.futures
@@ -61,6 +60,7 @@ import zlib
 import zoneinfo
 from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator, Sequence
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Literal,
@@ -71,8 +71,11 @@ from typing import (
     overload,
 )
 
-from dateutil import rrule as _rrule
-from dateutil.relativedelta import relativedelta
+if TYPE_CHECKING:  # imported when needed: dateutil for rrule schedules, argparse for the command line
+    import argparse
+
+    from dateutil import rrule as _rrule
+    from dateutil.relativedelta import relativedelta
 
 __version__ = "0.1.0"
 
@@ -741,25 +744,33 @@ def _month_days(month: int) -> int:
 
 
 _RRULE_EPOCH = _dt.datetime(2000, 1, 1)
-_FREQ_STEP = {
-    _rrule.YEARLY: "years",
-    _rrule.MONTHLY: "months",
-    _rrule.WEEKLY: "weeks",
-    _rrule.DAILY: "days",
-    _rrule.HOURLY: "hours",
-    _rrule.MINUTELY: "minutes",
-    _rrule.SECONDLY: "seconds",
-}
+# The unit of each of dateutil's frequencies, in their order (``rrule.YEARLY`` is 0, ``SECONDLY`` 6).
+_FREQ_STEP = ("years", "months", "weeks", "days", "hours", "minutes", "seconds")
+_HOURLY = 4
+
+
+def _dateutil_rrule(job: str) -> Any:
+    """dateutil's ``rrule`` module, imported on the first ``rrule`` schedule: the rest of the
+    module works without python-dateutil (a vendored copy on a box with nothing but Python)."""
+    try:
+        from dateutil import rrule
+    except ImportError:
+        raise ConfigError(
+            "rrule schedules need python-dateutil: pip install python-dateutil", job=job, option="rrule"
+        ) from None
+    return rrule
 
 
 class _RRule(_Calendar):
     def __init__(self, rule: str | _rrule.rrule, zone: _dt.tzinfo | None, job: str):
+        rrule = _dateutil_rrule(job)
         if isinstance(rule, str):
-            rule = self._parse(rule, job)
-        if not isinstance(rule, _rrule.rrule):
+            rule = self._parse(rrule, rule, job)
+        if not isinstance(rule, rrule.rrule):
             raise ConfigError(
                 f"rrule must be an RFC 5545 string or a dateutil rrule, not {rule!r}", job=job, option="rrule"
             )
+        rule = cast("_rrule.rrule", rule)
         start: _dt.datetime = rule._dtstart  # type: ignore[attr-defined]
         self.zone = zone or start.tzinfo or _local_zone()
         replace: dict[str, Any] = {
@@ -771,23 +782,23 @@ class _RRule(_Calendar):
         self.rule: _rrule.rrule = rule.replace(**replace)
         self.freq: int = rule._freq  # type: ignore[attr-defined]
         self.interval: int = rule._interval  # type: ignore[attr-defined]
-        self.elapsed = self.freq >= _rrule.HOURLY
+        self.elapsed = self.freq >= _HOURLY
         self.description = f"rrule {_rule_text(self.rule)} {getattr(self.zone, 'key', None) or self.zone}"
         self._shifted: tuple[_dt.datetime, _rrule.rrule] | None = None
 
     @staticmethod
-    def _parse(text: str, job: str) -> _rrule.rrule:
+    def _parse(rrule: Any, text: str, job: str) -> _rrule.rrule:
         if "FREQ=" not in text.upper():
             raise ConfigError(f"rrule {text!r} has no FREQ", job=job, option="rrule")
         try:
-            parsed = _rrule.rrulestr(text.strip(), dtstart=_RRULE_EPOCH)
+            parsed = rrule.rrulestr(text.strip(), dtstart=_RRULE_EPOCH)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"cannot read rrule {text!r}: {exc}", job=job, option="rrule") from None
-        if not isinstance(parsed, _rrule.rrule):
+        if not isinstance(parsed, rrule.rrule):
             raise ConfigError(
                 f"rrule {text!r}: only one RRULE (with an optional DTSTART) is supported", job=job, option="rrule"
             )
-        return parsed
+        return cast("_rrule.rrule", parsed)
 
     def _rule_near(self, naive: _dt.datetime) -> _rrule.rrule:
         """The rule with its start moved forward by whole intervals, to just before ``naive``.
@@ -804,6 +815,8 @@ class _RRule(_Calendar):
         if target <= start:
             return self.rule
         if unit in ("years", "months"):
+            from dateutil.relativedelta import relativedelta
+
             delta = relativedelta(target, start)
             whole = delta.years if unit == "years" else delta.years * 12 + delta.months
         else:
@@ -822,6 +835,8 @@ class _RRule(_Calendar):
 
 
 def _steps(unit: str, count: int) -> relativedelta:
+    from dateutil.relativedelta import relativedelta
+
     size: dict[str, Any] = {unit: count}
     return relativedelta(**size)
 
@@ -6003,12 +6018,9 @@ def _load_scheduler(target: str) -> Scheduler:
     return found
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, as every other error of the command line
-        self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
 def _log_level(text: str) -> str:
+    import argparse
+
     if not isinstance(logging.getLevelName(text.upper()), int):
         raise argparse.ArgumentTypeError(f"unknown level {text!r} (debug, info, warning, error, critical)")
     return text.upper()
@@ -6071,6 +6083,8 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """The options every subcommand takes, before or after its name (after it, a subcommand's
     parser sets only what is given: ``defaults`` False)."""
 
+    import argparse
+
     def default(value: Any) -> Any:
         return value if defaults else argparse.SUPPRESS
 
@@ -6094,6 +6108,12 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    import argparse  # here, not at the top: it is a tenth of the module's import time
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> Any:  # one line, as every other error of the command line
+            self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
     parser = _Parser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
     parser.add_argument("--version", action="version", version=f"anarchon-lite {__version__}")
     _global_options(parser, defaults=True)
