@@ -4016,6 +4016,7 @@ def _run_info(row: _RunRow, now: float) -> RunInfo:
 ###############################################################################
 
 _LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, then closed
+_HURRIED = 2 * _LAST_WORDS + 5.0  # seconds hurried attempts have to end and write their ends
 
 
 def _contained(exc: BaseException) -> BaseException:
@@ -4289,7 +4290,8 @@ class _Runner:
 
     async def drain(self) -> None:
         """After a stop: wait up to the stop grace for the attempts, which hand their runs over;
-        then hurry the rest (cancelled, abandoned) and let them write their ends."""
+        then hurry the rest (cancelled, abandoned) and let them write their ends. Takes
+        ``longest_drain()`` at most."""
         assert self.hurry is not None
         if self.tasks:
             every = asyncio.ensure_future(asyncio.wait(set(self.tasks)))
@@ -4299,11 +4301,15 @@ class _Runner:
             hurry.cancel()
         self.hurry.set()
         if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=2 * _LAST_WORDS + 5.0)
+            await asyncio.wait(set(self.tasks), timeout=_HURRIED)
         for task in list(self.tasks):  # a store that does not answer: the next owner takes the runs over
             task.cancel()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=1.0)
+
+    def longest_drain(self) -> float:
+        """The seconds ``drain()`` takes at most."""
+        return self.grace + 0.1 + _HURRIED + 1.0
 
     async def _run(self, attempt: _Attempt) -> None:
         assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
@@ -4592,6 +4598,67 @@ def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]
 
 
 ###############################################################################
+# Talking to systemd ##########################################################
+###############################################################################
+
+
+class _Notify:
+    """systemd's notify protocol (sd_notify(3)) with no dependency: each message one datagram to
+    ``$NOTIFY_SOCKET``, a path or, when it starts with ``@``, an abstract socket. Reading the
+    variables removes them from the environment, so that no command this process starts talks to
+    systemd in its name. Sending never raises: a manager that went away is a debug line."""
+
+    def __init__(self, environ: dict[str, str] | os._Environ[str]):
+        address = environ.pop("NOTIFY_SOCKET", "")
+        usec, pid = environ.pop("WATCHDOG_USEC", ""), environ.pop("WATCHDOG_PID", "")
+        #: where messages go (an abstract socket's name starts with NUL); empty: not under systemd
+        self.address = "\0" + address[1:] if address.startswith("@") else address
+        if not self.address.startswith(("/", "\0")):  # unset, or a kind of socket not supported here
+            self.address = ""
+        #: seconds between ``WATCHDOG=1`` pings (half the manager's timeout), or None: no watchdog
+        self.watchdog = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid())) else None
+        self._socket: socket.socket | None = None
+        self._status: str | None = None  # the STATUS= last sent
+        self._next: asyncio.TimerHandle | None = None  # the next WATCHDOG=1
+
+    def send(self, *fields: str) -> None:
+        """Send ``fields`` (``"READY=1"``, ``"STATUS=…"``) as one message."""
+        if not self.address:
+            return
+        try:
+            if self._socket is None:
+                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._socket.sendto("\n".join(fields).encode(), self.address)
+        except OSError as exc:
+            _log.debug("cannot notify the service manager at %r: %s", self.address, exc)
+
+    def status(self, text: str, *fields: str) -> None:
+        """Send ``STATUS=text`` when it differs from the last one sent, and ``READY=1`` with the
+        first (or ``fields`` instead)."""
+        if text != self._status or fields:
+            first = self._status is None
+            self._status = text
+            self.send(*(fields or (("READY=1",) if first else ())), f"STATUS={text}")
+
+    def start_pings(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Send ``WATCHDOG=1`` now and every ``watchdog`` seconds from ``loop``'s own thread (when
+        the manager asked for it): a wedged loop stops the pings, and systemd restarts the process;
+        a handler busy in a thread does not."""
+        if self.watchdog is not None and self.address:
+            self.send("WATCHDOG=1")
+            self._next = loop.call_later(self.watchdog, self.start_pings, loop)
+
+    def close(self) -> None:
+        """Stop the pings and close the socket."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+###############################################################################
 # The scheduler ###############################################################
 ###############################################################################
 
@@ -4618,7 +4685,11 @@ class Scheduler:
     ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
     it was; None leaves it alone), ``read_only`` (only look at the file, for ``status()`` and
     ``history()``: a missing file is a ``StoreError``, nothing is created, and the file may be in a
-    directory this process cannot write; such a scheduler cannot run or change anything).
+    directory this process cannot write; such a scheduler cannot run or change anything),
+    ``notify`` (talk to systemd when ``$NOTIFY_SOCKET`` is set, for a service of ``Type=notify``:
+    ``READY=1`` once joined, ``STATUS=``, ``STOPPING=1``, and ``WATCHDOG=1`` from the event loop when
+    ``WatchdogSec=`` is set; for a process that systemd runs as the service itself, not for one of
+    its workers. The command line's ``run`` and ``crontab`` do it).
     """
 
     def __init__(
@@ -4633,6 +4704,7 @@ class Scheduler:
         blocked_warning: float = 1.0,
         switch_interval: float | None = 0.0005,
         read_only: bool = False,
+        notify: bool = False,
     ):
         self.path = os.fspath(path)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
@@ -4676,6 +4748,7 @@ class Scheduler:
         self._rejoin = False
         self._ready: asyncio.Event | None = None
         self._idle = self._poll
+        self._systemd = _Notify(os.environ) if notify else None  #: the service manager, when it is told
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
@@ -5061,6 +5134,8 @@ class Scheduler:
         timers.start()
         heartbeats.start()
         self._link.held = True
+        if self._systemd is not None:
+            self._systemd.start_pings(loop)
         try:
             await self._join_first(loop_state)
             self._poked = False
@@ -5078,12 +5153,17 @@ class Scheduler:
                     self._backing_off = False
                 if self._ready is not None:
                     self._ready.set()
+                if self._systemd is not None:
+                    self._systemd.status(self._doing(loop_state))
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
                 busy = loop_state.busy_until - self._clock.monotonic()
                 if busy > 0 and not self._stopping:  # what comes due meanwhile is fired together
                     await asyncio.sleep(busy)
+            self._stopping_told()
             await self._runner.drain()
         finally:
+            if self._systemd is not None:
+                self._systemd.close()
             loop_state.watch.close()
             timers.stop()
             heartbeats.stop()
@@ -5094,6 +5174,20 @@ class Scheduler:
                     _log.warning("%s", exc)
             self._link.held = False
             self._link.close()
+
+    def _doing(self, state: _LoopState) -> str:
+        """What this process is doing, in a line (systemd's ``STATUS=``)."""
+        text = f"{len(self._jobs)} jobs, {len(self._attempts)} running"
+        return text if state.failing is None else f"{text}; failing: {state.failing}"
+
+    def _stopping_told(self) -> None:
+        """Tell systemd that this process stops, and how long handing its runs over may take."""
+        if self._systemd is None:
+            return
+        fields = ["STOPPING=1"]
+        if self._attempts:
+            fields.append(f"EXTEND_TIMEOUT_USEC={int(self._runner.longest_drain() * 1e6)}")
+        self._systemd.status(f"stopping: handing over {len(self._attempts)} running", *fields)
 
     async def _join_first(self, state: _LoopState) -> None:
         """Join the group; the first process of a group runs the jobs declared to run on start. A
@@ -6164,7 +6258,10 @@ def _command(args: argparse.Namespace) -> int:
     if args.command in ("run", "crontab"):
         _configure_logging(args.log_level, args.log_format)
     if args.command == "run":
-        _run_target(_load_scheduler(args.target), args.target)
+        scheduler = _load_scheduler(args.target)
+        if scheduler._systemd is None:  # the command line is the service: it talks to systemd
+            scheduler._systemd = _Notify(os.environ)
+        _run_target(scheduler, args.target)
         return 0
     if args.command == "crontab" and args.check:
         _check_crontab(args.file)
@@ -6172,7 +6269,7 @@ def _command(args: argparse.Namespace) -> int:
     if not args.db:
         raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")
     if args.command == "crontab":
-        scheduler = Scheduler(args.db)
+        scheduler = Scheduler(args.db, notify=True)
         _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0
