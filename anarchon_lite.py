@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import bisect
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -971,6 +972,24 @@ class _End:
     output: str | None = None
 
 
+# The statuses a record ends with (``running`` is an attempt's record until its end is written).
+_ENDED = ("succeeded", "failed", "timed_out", "interrupted", "cancelled", "skipped", "missed")
+
+
+class _JobFigures(NamedTuple):
+    """What the history says of one job, for metrics: records by ending status (those pruned
+    included), its newest start, success and failure (ms), its newest attempt's duration (ms) and
+    how many of its attempts run now."""
+
+    job: str
+    records: dict[str, int]
+    started: int | None
+    succeeded: int | None
+    failed: int | None  # (failed or timed out)
+    duration: int | None
+    running: int
+
+
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
     """One history record: an attempt, or an occurrence that was skipped or missed (attempt 0)."""
@@ -1149,6 +1168,12 @@ class _Store(abc.ABC):
     def history(self, job: str | None, limit: int) -> list[RunRecord]:
         """The newest ``limit`` records (of ``job``, or of every job), newest first."""
 
+    @abc.abstractmethod
+    def figures(self) -> list[_JobFigures]:
+        """Every job's figures, by name: the records of each ending status
+        (counted since the job was first declared: pruning keeps the count), the newest start,
+        success and failure, the newest attempt's duration, the attempts running now."""
+
     # -- upkeep
 
     @abc.abstractmethod
@@ -1264,7 +1289,7 @@ class _Backend(abc.ABC):
 # ``?`` and ``:name`` placeholders (the PostgreSQL connection translates them). ``lease_clock()`` is a
 # function each store defines: the clock its leases are stamped and compared on, in seconds.
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Every write to a job row gives it the next change number (``changed``; writers take turns, so the
 # numbers are handed out in commit order): a process re-reads only the rows changed since the newest
 # number it has seen, not every job. (``register`` writes only what is new or declared otherwise.)
@@ -1336,11 +1361,31 @@ _SQL_SLOT_USED = (
 _SQL_HISTORY_COLUMNS = "job, slot, attempt, status, instance, started_at, finished_at, error, output"
 _SQL_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT ?"
 _SQL_JOB_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? ORDER BY id DESC LIMIT ?"  # (by index)
-_SQL_PRUNE_HISTORY = (  # never the records of an unfinished run: it still writes its end there
-    "DELETE FROM history WHERE job = ? AND id <= "
-    "(SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?) "
+# How many records of each status pruning has deleted, per job (the history keeps the rest).
+_SQL_TOTALS_TABLE = """CREATE TABLE IF NOT EXISTS totals (
+        job TEXT NOT NULL,
+        status TEXT NOT NULL,
+        records BIGINT NOT NULL,
+        PRIMARY KEY (job, status)
+    )"""
+_SQL_PRUNABLE = (  # a job's records past the newest ``retention``; never an unfinished run's: it still writes its end there
+    "job = ? AND id <= (SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?) "
     "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
 )
+_SQL_COUNT_PRUNED = (  # the records pruning deletes stay counted: the metrics' counters never go down
+    f"INSERT INTO totals (job, status, records) SELECT job, status, count(*) FROM history WHERE {_SQL_PRUNABLE} "
+    "GROUP BY job, status ON CONFLICT (job, status) DO UPDATE SET records = totals.records + excluded.records"
+)
+_SQL_PRUNE_HISTORY = f"DELETE FROM history WHERE {_SQL_PRUNABLE}"
+# The metrics: per job and status the records, newest start and end; the newest attempt's duration.
+_SQL_FIGURES = "SELECT job, status, count(*), max(started_at), max(finished_at) FROM history GROUP BY job, status"
+_SQL_TOTALS = "SELECT job, status, records FROM totals"
+_SQL_LAST_DURATIONS = (
+    "SELECT job, finished_at - started_at FROM history WHERE id IN (SELECT max(id) FROM history "
+    "WHERE attempt > 0 AND status != 'running' AND started_at IS NOT NULL AND finished_at IS NOT NULL GROUP BY job)"
+)
+_SQL_RUNNING = "SELECT job, count(*) FROM runs WHERE state = 'running' GROUP BY job"
+_SQL_JOB_NAMES = "SELECT name FROM jobs"
 _SQL_PRUNE_CHECKPOINTS = (
     "DELETE FROM checkpoints WHERE job = ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = checkpoints.job "
     "AND r.slot = checkpoints.slot) AND NOT EXISTS (SELECT 1 FROM history h WHERE h.job = checkpoints.job "
@@ -1567,6 +1612,7 @@ class _SQLStore(_Store):
         return True
 
     def _prune(self, conn: Any, job: str) -> None:
+        conn.execute(_SQL_COUNT_PRUNED, (job, job, self.retention))
         conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
         conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
 
@@ -1620,6 +1666,37 @@ class _SQLStore(_Store):
         return [
             RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
             for r in (self._read(_SQL_HISTORY, (limit,)) if job is None else self._read(_SQL_JOB_HISTORY, (job, limit)))
+        ]
+
+    def figures(self) -> list[_JobFigures]:
+        names = sorted(row[0] for row in self._read(_SQL_JOB_NAMES))
+        records: dict[str, dict[str, int]] = {name: dict.fromkeys(_ENDED, 0) for name in names}
+        newest: dict[tuple[str, str], tuple[int | None, int | None]] = {}
+        for job, status, count, started, finished in self._read(_SQL_FIGURES):
+            newest[job, status] = (started, finished)
+            if status in _ENDED and job in records:
+                records[job][status] += count
+        for job, status, count in self._read(_SQL_TOTALS):
+            if status in _ENDED and job in records:
+                records[job][status] += count
+        durations = dict(self._read(_SQL_LAST_DURATIONS))
+        running = dict(self._read(_SQL_RUNNING))
+
+        def last(job: str, statuses: Iterable[str], index: int) -> int | None:
+            found = [newest[job, status][index] for status in statuses if (job, status) in newest]
+            return max((t for t in found if t is not None), default=None)
+
+        return [
+            _JobFigures(
+                name,
+                records[name],
+                last(name, ("running", *_ENDED), 0),
+                last(name, ("succeeded",), 1),
+                last(name, ("failed", "timed_out"), 1),
+                durations.get(name),
+                running.get(name, 0),
+            )
+            for name in names
         ]
 
 
@@ -1702,6 +1779,7 @@ _SCHEMA = (
         attempt INTEGER,
         PRIMARY KEY (job, slot)
     )""",
+    _SQL_TOTALS_TABLE,
 )
 # From each earlier version to the next, in place and in one transaction with the version change.
 # Every step only adds, so a process of the previous version still running on the file keeps working
@@ -1720,6 +1798,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE runs ADD COLUMN process_group TEXT",
     ),
     4: _MIGRATE_TO_CHANGE_NUMBERS,
+    5: (_SQL_TOTALS_TABLE,),
 }
 
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
@@ -2533,6 +2612,7 @@ _PG_SCHEMA = (
         attempt INTEGER,
         PRIMARY KEY (job, slot)
     )""",
+    _SQL_TOTALS_TABLE,
     (
         "CREATE FUNCTION lease_clock() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE AS "
         "'SELECT extract(epoch FROM clock_timestamp())::DOUBLE PRECISION'"
@@ -2555,7 +2635,7 @@ _PG_SCHEMA = (
     FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
     $$""",
 )
-_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {4: _MIGRATE_TO_CHANGE_NUMBERS}  # as _MIGRATIONS
+_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {4: _MIGRATE_TO_CHANGE_NUMBERS, 5: (_SQL_TOTALS_TABLE,)}  # as _MIGRATIONS
 _PG_COMEBACK = 60  # seconds
 _PG_RECONNECT = 5.0  # seconds a call waits for a lost connection to be made again (a fast restart takes 1-2)
 _PG_VERSION = "SELECT version FROM meta"
@@ -3261,14 +3341,24 @@ class _Timers(threading.Thread):
 
 @dataclasses.dataclass
 class _Lateness:
-    """Heartbeat lateness samples (seconds), kept for the benchmark and for ``status()``."""
+    """Heartbeat lateness samples (seconds), kept for the benchmark, and those of the last minute
+    (with when, on the monotonic clock) for the metrics."""
 
     samples: list[float] = dataclasses.field(default_factory=list)
     lost: int = 0
+    recent: collections.deque[tuple[float, float]] = dataclasses.field(default_factory=collections.deque)
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, now: float) -> None:
         if len(self.samples) < 100_000:
             self.samples.append(value)
+        self.recent.append((now, value))
+        while self.recent[0][0] < now - 60.0:
+            self.recent.popleft()
+
+    def p99(self, now: float) -> float | None:
+        """The 99th percentile of the last minute's samples, or None if there were none."""
+        values = sorted(value for at, value in list(self.recent) if at >= now - 60.0)
+        return values[min(len(values) - 1, int(len(values) * 0.99))] if values else None
 
 
 class _SwitchInterval:
@@ -3449,7 +3539,7 @@ class _Heartbeats(threading.Thread):
         with self._cond:
             if self._due == planned:  # the first to finish this round
                 for _ in batch:
-                    self.lateness.add(now - planned)
+                    self.lateness.add(now - planned, now)
                 self._due = max(planned + period, now + period / 4)
             for attempt in batch:
                 attempt.valid_until = max(attempt.valid_until, sent + attempt.lease)
@@ -4255,6 +4345,7 @@ class _Runner:
         self._events = events
         self._checkpoints = checkpoints
         self._poke = poke  #: called after an end that leaves the run to be claimed: the scheduler looks again
+        self.ends_written: Callable[[], None] = _nothing  #: called after each write of ends
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
@@ -4461,6 +4552,7 @@ class _Runner:
         else:
             for (_, future), written in zip(batch, results):
                 _set_result(future, written)
+            self.ends_written()
 
 
 ###############################################################################
@@ -4598,6 +4690,78 @@ def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]
 
 
 ###############################################################################
+# Metrics #####################################################################
+###############################################################################
+#
+# The Prometheus text format, written to a file for node_exporter's textfile collector (no server of
+# our own): what the history says of every job, and how late this process's lease renewals are.
+
+_METRIC_HELP = {
+    "anarchon_job_runs_total": (
+        "counter",
+        "Records of the job by status: its attempts' ends, and the occurrences skipped or missed.",
+    ),
+    "anarchon_job_last_start_timestamp_seconds": ("gauge", "When the job's newest attempt started."),
+    "anarchon_job_last_success_timestamp_seconds": ("gauge", "When the job's newest successful attempt ended."),
+    "anarchon_job_last_failure_timestamp_seconds": (
+        "gauge",
+        "When the job's newest failed or timed-out attempt ended.",
+    ),
+    "anarchon_job_last_duration_seconds": ("gauge", "How long the job's newest ended attempt ran."),
+    "anarchon_job_running": ("gauge", "The job's attempts running now, on any process."),
+    "anarchon_lease_renewal_lateness_p99_seconds": (
+        "gauge",
+        "How late this process renewed its leases against their plan over the last minute (99th percentile).",
+    ),
+}
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _prometheus(figures: Sequence[_JobFigures], lateness: dict[str, float] | None = None) -> str:
+    """The figures (and each instance's renewal lateness) in the Prometheus text format."""
+    samples: dict[str, list[tuple[str, float]]] = {name: [] for name in _METRIC_HELP}
+    for f in figures:
+        job = f'job="{_label(f.job)}"'
+        for status, count in f.records.items():
+            samples["anarchon_job_runs_total"].append((f'{job},status="{status}"', count))
+        for name, ms in (
+            ("anarchon_job_last_start_timestamp_seconds", f.started),
+            ("anarchon_job_last_success_timestamp_seconds", f.succeeded),
+            ("anarchon_job_last_failure_timestamp_seconds", f.failed),
+            ("anarchon_job_last_duration_seconds", f.duration),
+        ):
+            if ms is not None:
+                samples[name].append((job, ms / 1000))
+        samples["anarchon_job_running"].append((job, f.running))
+    for instance, value in (lateness or {}).items():
+        samples["anarchon_lease_renewal_lateness_p99_seconds"].append((f'instance="{_label(instance)}"', value))
+    lines = []
+    for name, found in samples.items():
+        if found:
+            kind, text = _METRIC_HELP[name]
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{{{labels}}} {value}" for labels, value in found]
+    return "".join(line + "\n" for line in lines)
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then renamed over it (a
+    reader such as node_exporter never sees half a file; the name does not end in ``.prom``)."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+###############################################################################
 # Talking to systemd ##########################################################
 ###############################################################################
 
@@ -4689,7 +4853,9 @@ class Scheduler:
     ``notify`` (talk to systemd when ``$NOTIFY_SOCKET`` is set, for a service of ``Type=notify``:
     ``READY=1`` once joined, ``STATUS=``, ``STOPPING=1``, and ``WATCHDOG=1`` from the event loop when
     ``WatchdogSec=`` is set; for a process that systemd runs as the service itself, not for one of
-    its workers. The command line's ``run`` and ``crontab`` do it).
+    its workers. The command line's ``run`` and ``crontab`` do it), ``metrics_file`` (a path, for
+    node_exporter's textfile collector: rewritten whole, at start and within a second of each
+    attempt's start and end, with what ``prometheus()`` returns).
     """
 
     def __init__(
@@ -4705,6 +4871,7 @@ class Scheduler:
         switch_interval: float | None = 0.0005,
         read_only: bool = False,
         notify: bool = False,
+        metrics_file: str | os.PathLike | None = None,  # type: ignore[type-arg]
     ):
         self.path = os.fspath(path)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
@@ -4749,6 +4916,13 @@ class Scheduler:
         self._ready: asyncio.Event | None = None
         self._idle = self._poll
         self._systemd = _Notify(os.environ) if notify else None  #: the service manager, when it is told
+        #: the node_exporter textfile, rewritten at start and after each start and end of a run
+        self._metrics_file: str | None = None
+        self._metrics_task: asyncio.Task[None] | None = None  #: the rewrite in progress (or waiting)
+        self._metrics_again = False  #: something happened since it began: rewrite once more after it
+        self._metrics_failing: str | None = None
+        if metrics_file is not None:
+            self._keep_metrics(os.fspath(metrics_file))
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
@@ -4954,6 +5128,47 @@ class Scheduler:
         """The newest ``limit`` records (of ``job``, or of every job), newest first."""
         return await self._link.call(lambda s: s.history(job, limit))
 
+    async def prometheus(self) -> str:
+        """Every job's figures in the Prometheus text format (what ``metrics_file`` holds): runs
+        by status (counters: pruning the history keeps them), the newest start, success, failure
+        and duration, the attempts running now; while this scheduler runs, also its lease
+        renewals' lateness over the last minute (99th percentile)."""
+        return await self._link.call(lambda s: _prometheus(s.figures(), self._lateness()))
+
+    def _lateness(self) -> dict[str, float]:
+        heartbeats = self._heartbeats
+        p99 = None if heartbeats is None else heartbeats.lateness.p99(self._clock.monotonic())
+        return {} if p99 is None else {self.instance: p99}
+
+    def _keep_metrics(self, path: str) -> None:
+        if self._metrics_file is None:  # a start, a skipped or missed occurrence once recorded; an end once written
+            self._events.listeners.append(lambda event: None if event.duration is not None else self._metrics_soon())
+            self._runner.ends_written = self._metrics_soon
+        self._metrics_file = path
+
+    def _metrics_soon(self) -> None:
+        """Rewrite the metrics file: now, or (while one is written) a second after that one."""
+        if self._metrics_task is not None and not self._metrics_task.done():
+            self._metrics_again = True
+        elif self._metrics_file is not None and not self._stopping:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._write_metrics(self._metrics_file))
+
+    async def _write_metrics(self, path: str, again: bool = True) -> None:
+        while True:
+            self._metrics_again = False
+            try:
+                await self._link.call(lambda s: _replace_file(path, _prometheus(s.figures(), self._lateness())))
+                self._metrics_failing = None
+            except (StoreError, OSError) as exc:  # told once, until it works again
+                if str(exc) != self._metrics_failing:
+                    _log.warning("cannot write the metrics file %s: %s", path, exc)
+                    self._metrics_failing = str(exc)
+            if not again:
+                return
+            await asyncio.sleep(1.0)  # one write a second at most, however many runs end
+            if not self._metrics_again:
+                return
+
     async def status(self) -> list[JobStatus]:
         """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
         jobs, runs = await self._link.call(lambda s: (s.jobs(), s.runs()))
@@ -5155,12 +5370,18 @@ class Scheduler:
                     self._ready.set()
                 if self._systemd is not None:
                     self._systemd.status(self._doing(loop_state))
+                if self._metrics_file is not None and self._metrics_task is None:  # the first, once joined
+                    self._metrics_soon()
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
                 busy = loop_state.busy_until - self._clock.monotonic()
                 if busy > 0 and not self._stopping:  # what comes due meanwhile is fired together
                     await asyncio.sleep(busy)
             self._stopping_told()
             await self._runner.drain()
+            if self._metrics_file is not None:  # the last figures, with nothing running here
+                if self._metrics_task is not None:
+                    self._metrics_task.cancel()
+                await self._write_metrics(self._metrics_file, again=False)
         finally:
             if self._systemd is not None:
                 self._systemd.close()
@@ -5477,6 +5698,10 @@ class Control:
     def cancel(self, name: str) -> int:
         """Cancel the unfinished runs of ``name``; how many."""
         return asyncio.run(self.scheduler.cancel(name))
+
+    def prometheus(self) -> str:
+        """Every job's figures in the Prometheus text format (``Scheduler.prometheus``)."""
+        return asyncio.run(self.scheduler.prometheus())
 
 
 @dataclasses.dataclass
@@ -6219,7 +6444,11 @@ def _parser() -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=text, parents=[common])
 
     status = command("status", "every job, its next occurrence and running attempts")
-    status.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    shown.add_argument(
+        "--prometheus", action="store_true", help="print every job's figures in the Prometheus text format"
+    )
     history = command("history", "run records, newest first")
     history.add_argument("--job", help="only this job's records")
     history.add_argument("--limit", type=int, default=50, help="how many records (default: 50)")
@@ -6233,11 +6462,16 @@ def _parser() -> argparse.ArgumentParser:
         control = command(name, text)
         control.add_argument("name", help="the job's name")
         control.add_argument("--json", action="store_true", help="say what was done as a JSON object")
-    command("run", "run the Scheduler that MODULE:ATTRIBUTE names").add_argument(
-        "target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one"
-    )
+    run = command("run", "run the Scheduler that MODULE:ATTRIBUTE names")
+    run.add_argument("target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one")
     crontab = command("crontab", "run a crontab file of shell commands")
     crontab.add_argument("file", help="the crontab file")
+    for runner in (run, crontab):
+        runner.add_argument(
+            "--metrics-file",
+            metavar="PATH",
+            help="keep PATH a Prometheus text file of every job's figures, for node_exporter's textfile collector",
+        )
     crontab.add_argument(
         "--check", action="store_true", help="only read the file: list each entry and its next 3 runs, start nothing"
     )
@@ -6261,6 +6495,8 @@ def _command(args: argparse.Namespace) -> int:
         scheduler = _load_scheduler(args.target)
         if scheduler._systemd is None:  # the command line is the service: it talks to systemd
             scheduler._systemd = _Notify(os.environ)
+        if args.metrics_file:
+            scheduler._keep_metrics(args.metrics_file)
         _run_target(scheduler, args.target)
         return 0
     if args.command == "crontab" and args.check:
@@ -6269,14 +6505,16 @@ def _command(args: argparse.Namespace) -> int:
     if not args.db:
         raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")
     if args.command == "crontab":
-        scheduler = Scheduler(args.db, notify=True)
+        scheduler = Scheduler(args.db, notify=True, metrics_file=args.metrics_file)
         _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
     control = Control(args.db, read_only=args.command in ("status", "history"))
-    if args.command == "status":
+    if args.command == "status" and args.prometheus:
+        print(control.prometheus(), end="")
+    elif args.command == "status":
         _print_status(control.status(), args.json)
     elif args.command == "history":
         _print_history(control.history(args.job, args.limit), args.json)
