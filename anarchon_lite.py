@@ -1355,6 +1355,9 @@ _SQL_RECORD = (
 _SQL_END_ATTEMPT = (
     "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ? WHERE job = ? AND slot = ? AND attempt = ?"
 )
+# As _SQL_END_ATTEMPT when the record is already the job's newest (a short run: nothing recorded for
+# the job since it started): the record is changed in place, no index is touched.
+_SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = (SELECT max(id) FROM history WHERE job = ?)"
 _SQL_SLOT_USED = (
     "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
 )
@@ -1368,8 +1371,9 @@ _SQL_TOTALS_TABLE = """CREATE TABLE IF NOT EXISTS totals (
         records BIGINT NOT NULL,
         PRIMARY KEY (job, status)
     )"""
+_SQL_NTH_NEWEST = "SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?"
 _SQL_PRUNABLE = (  # a job's records past the newest ``retention``; never an unfinished run's: it still writes its end there
-    "job = ? AND id <= (SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?) "
+    f"job = ? AND id <= ({_SQL_NTH_NEWEST}) "
     "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
 )
 _SQL_COUNT_PRUNED = (  # the records pruning deletes stay counted: the metrics' counters never go down
@@ -1603,7 +1607,9 @@ class _SQLStore(_Store):
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
         if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
             return False
-        conn.execute(self._SQL_FINISH_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
+        ended = (end.status, end.now_ms, end.error, end.output, job, slot, attempt)
+        if conn.execute(_SQL_END_NEWEST, (*ended, job)).rowcount == 0:  # others were recorded since: made the newest
+            conn.execute(self._SQL_FINISH_ATTEMPT, ended)
         if end.then is _Then.DONE:
             conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
@@ -1612,6 +1618,10 @@ class _SQLStore(_Store):
         return True
 
     def _prune(self, conn: Any, job: str) -> None:
+        """Prune the job's history to ``retention`` records once it holds a tenth more: each write
+        of a prune changes a few pages, once every hundred records rather than at every one."""
+        if conn.execute(_SQL_NTH_NEWEST, (job, self.retention + self.retention // 10)).fetchone() is None:
+            return
         conn.execute(_SQL_COUNT_PRUNED, (job, job, self.retention))
         conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
         conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
@@ -1704,11 +1714,14 @@ class _SQLStore(_Store):
 # The SQLite store ############################################################
 ###############################################################################
 
-# The WAL is written back into the file once it holds this many pages (1 MiB at 4 KiB a page), and
-# cut back to this size after: it outgrows that only while a reader keeps an old snapshot. (At 64
-# pages, the load test's renewals waited 2-3 times longer at p50 behind the extra checkpoints.)
-_WAL_PAGES = 256
+# The WAL is written back into the file once it holds this many bytes of pages (1 MiB), and cut
+# back to this size after: it outgrows that only while a reader keeps an old snapshot. (At a quarter
+# of that, the load test's renewals waited 2-3 times longer at p50 behind the extra checkpoints.)
 _WAL_LIMIT = 1024 * 1024
+# A new file's pages: a commit writes each page it changed whole into the WAL, and an occurrence
+# changes about nine (a job row, a run row, a history record, their indexes): 1 KiB each instead of
+# SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
+_PAGE_SIZE = 1024
 _SCHEMA = (
     # One row per declared job: its pause flag and its watermark (every occurrence up to
     # ``last_slot`` has been handled: run, skipped or missed).
@@ -1744,10 +1757,11 @@ _SCHEMA = (
         started_at INTEGER,
         process_group TEXT,
         PRIMARY KEY (job, slot)
-    )""",
-    # One row per attempt, and per skipped or missed occurrence (attempt 0).
+    ) WITHOUT ROWID""",
+    # One row per attempt, and per skipped or missed occurrence (attempt 0). (A new id is always
+    # the largest: records are only ever deleted from the oldest end, or replaced by a newer id.)
     """CREATE TABLE IF NOT EXISTS history (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        id INTEGER PRIMARY KEY,
         job TEXT NOT NULL,
         slot INTEGER NOT NULL,
         attempt INTEGER NOT NULL,
@@ -2057,9 +2071,12 @@ class _SQLiteStore(_SQLStore):
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 self._refuse_newer(version)
+            if version == 0:  # (a file with anything in it keeps its page size)
+                conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
             self._switch_to_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
-            conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES if self._autocheckpoint else 0}")
+            pages = _WAL_LIMIT // int(conn.execute("PRAGMA page_size").fetchone()[0])
+            conn.execute(f"PRAGMA wal_autocheckpoint = {pages if self._autocheckpoint else 0}")
             conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
             if version < SCHEMA_VERSION:
                 self._create_schema(conn)
@@ -2504,12 +2521,19 @@ class _SQLiteChanges(_Changes):
 class _SQLite(_Backend):
     """The SQLite file at ``path``: one connection per thread of the scheduler."""
 
-    def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int):
+    def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int, durability: str):
         self.path, self.where, self._clock, self._busy_timeout = path, path, clock, busy_timeout
         self._read_only, self._retention = read_only, retention
+        self._synchronous = "FULL" if durability == "full" else "NORMAL"
 
-    def main(self) -> _Store:  # synchronous=FULL
-        store = _SQLiteStore(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only, clock=self._clock)
+    def main(self) -> _Store:
+        store = _SQLiteStore(
+            self.path,
+            busy_timeout=self._busy_timeout,
+            synchronous=self._synchronous,
+            read_only=self._read_only,
+            clock=self._clock,
+        )
         store.retention = self._retention
         return store
 
@@ -2828,7 +2852,12 @@ class _PGStore(_SQLStore):
     _renewal = staticmethod(_pg_renewal)
 
     def __init__(
-        self, target: _PGTarget, identity: _PGIdentity, *, read_only: bool = False, busy_timeout: float = 30.0
+        self,
+        target: _PGTarget,
+        identity: _PGIdentity,
+        *,
+        read_only: bool = False,
+        busy_timeout: float = 30.0,
     ):
         self.path = target.shown
         self._target = target
@@ -4855,7 +4884,11 @@ class Scheduler:
     ``WatchdogSec=`` is set; for a process that systemd runs as the service itself, not for one of
     its workers. The command line's ``run`` and ``crontab`` do it), ``metrics_file`` (a path, for
     node_exporter's textfile collector: rewritten whole, at start and within a second of each
-    attempt's start and end, with what ``prometheus()`` returns).
+    attempt's start and end, with what ``prometheus()`` returns), ``durability`` (of the SQLite
+    file's commits: ``"normal"``, the default, syncs the WAL to disk at its checkpoints, so a power
+    cut can lose the last commits, and an occurrence whose claim was lost may run again after power
+    returns, never twice while it is on; ``"full"`` syncs every commit, for about twice the bytes
+    written. On PostgreSQL the server's ``synchronous_commit`` decides).
     """
 
     def __init__(
@@ -4872,6 +4905,7 @@ class Scheduler:
         read_only: bool = False,
         notify: bool = False,
         metrics_file: str | os.PathLike | None = None,  # type: ignore[type-arg]
+        durability: Literal["full", "normal"] = "normal",
     ):
         self.path = os.fspath(path)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
@@ -4887,10 +4921,12 @@ class Scheduler:
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
         self._read_only = read_only
+        if durability not in ("full", "normal"):
+            raise ConfigError(f"must be 'full' or 'normal', not {durability!r}", option="durability")
         backend: _Backend = (
             _Postgres(self.path, read_only, busy_timeout, retention)
             if _is_postgres(self.path)
-            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
+            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention, durability)
         )
         self._where = backend.where  # the database, as messages name it
         self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
@@ -6475,6 +6511,12 @@ def _parser() -> argparse.ArgumentParser:
     crontab.add_argument(
         "--check", action="store_true", help="only read the file: list each entry and its next 3 runs, start nothing"
     )
+    crontab.add_argument(
+        "--durability",
+        choices=("normal", "full"),
+        default="normal",
+        help="normal: a power cut can lose the last commits (the default); full: sync every commit to disk",
+    )
     return parser
 
 
@@ -6505,7 +6547,7 @@ def _command(args: argparse.Namespace) -> int:
     if not args.db:
         raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")
     if args.command == "crontab":
-        scheduler = Scheduler(args.db, notify=True, metrics_file=args.metrics_file)
+        scheduler = Scheduler(args.db, notify=True, metrics_file=args.metrics_file, durability=args.durability)
         _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0

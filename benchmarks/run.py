@@ -454,7 +454,7 @@ def main() -> int:
     parser.add_argument("--plot", help="draw a PNG to this file")
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
-    parser.add_argument("--only", choices=("takeover", "scale"), help="measure only this section")
+    parser.add_argument("--only", choices=("takeover", "scale", "disk"), help="measure only this section")
     args = parser.parse_args()
     if args.store == "postgresql":
         import pgserver
@@ -561,6 +561,91 @@ def burst(db: str, count: int, processes: int) -> dict[str, Any]:
     }
 
 
+def disk(quick: bool) -> dict[str, Any]:
+    """Bytes sent to storage (every process's ``write_bytes``: WAL, checkpoints, everything), on a
+    file on disk (not /tmp, which may be RAM): per occurrence of a job ``every 1s`` with a handler
+    that returns at once, with one and four processes, and per lease renewal of a running attempt;
+    with each durability."""
+    span = 30.0 if quick else 120.0
+    section: dict[str, Any] = {"short": [], "heartbeat": []}
+    for durability in ("full", "normal"):
+        for processes in (1, 4):
+            with tempfile.TemporaryDirectory(prefix=".disk-", dir=ROOT) as folder:
+                db = os.path.join(folder, "jobs.db")
+                prefill(db, "tick", 1000)
+                start = time.time() + 5 + 2 * processes  # time to start, join and settle
+                outs = _disk_runs("short", db, durability, start, start + span, processes)
+                runs = query(
+                    db,
+                    f"SELECT count(*) FROM history WHERE status = 'succeeded' AND slot >= {int(start * 1000)} "
+                    f"AND slot < {int((start + span) * 1000)}",
+                )[0][0]
+            per = sum(out["bytes"] for out in outs) / max(runs, 1)
+            section["short"].append(
+                {
+                    "durability": durability,
+                    "processes": processes,
+                    "occurrences": runs,
+                    "bytes_per_occurrence": per,
+                    "per_day_every_second_mb": per * 86400 / 1e6,
+                    "per_day_every_minute_mb": per * 1440 / 1e6,
+                }
+            )
+        with tempfile.TemporaryDirectory(prefix=".disk-", dir=ROOT) as folder:
+            start = time.time() + 5
+            (out,) = _disk_runs("long", os.path.join(folder, "jobs.db"), durability, start, start + span, 1)
+        section["heartbeat"].append(
+            {
+                "durability": durability,
+                "renewals": out["renewals"],
+                "bytes": out["bytes"],
+                "bytes_per_renewal": out["bytes"] / max(out["renewals"], 1),
+            }
+        )
+        print(f"disk {durability}: done", flush=True)
+    return section
+
+
+def prefill(db: str, job: str, records: int) -> None:
+    """A file whose history holds ``records`` of ``job`` already (the default retention: a box that
+    has run for a while prunes as it goes)."""
+    asyncio.run(Scheduler(db).status())  # (creates the file)
+    now = int(time.time() * 1000)
+    with sqlite3.connect(db) as conn:
+        conn.executemany(
+            "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at) "
+            "VALUES (?, ?, 1, 'succeeded', 'before', ?, ?)",
+            [(job, slot, slot, slot + 1) for slot in range(now - records * 1000, now - 1000, 1000)],
+        )
+
+
+def _disk_runs(mode: str, db: str, durability: str, start: float, until: float, processes: int) -> list[Any]:
+    args = [sys.executable, os.path.join(HERE, "_disk.py"), mode, db, durability, str(start), str(until)]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    try:
+        return [json.loads(p.communicate(timeout=until - time.time() + 120)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def report_disk(section: dict[str, Any]) -> None:
+    print("\nbytes to storage per occurrence (a job every 1 s, a handler that returns at once)")
+    print("durability  processes  occurrences  KB/occurrence  MB/day every 1 s  MB/day every 1 min")
+    for r in section["short"]:
+        print(
+            f"{r['durability']:<11} {r['processes']:>9}  {r['occurrences']:>11}  {r['bytes_per_occurrence'] / 1024:>13.1f}"
+            f"  {r['per_day_every_second_mb']:>16.1f}  {r['per_day_every_minute_mb']:>18.2f}"
+        )
+    for r in section["heartbeat"]:
+        print(
+            f"lease renewals ({r['durability']}): {r['renewals']} renewals, {r['bytes']} bytes, "
+            f"{r['bytes_per_renewal']:.0f} bytes per renewal"
+        )
+
+
 def report_scale(section: dict[str, Any]) -> None:
     print("\nidle (none due)")
     print("jobs    kind   start s  CPU/look ms  idle CPU s/h  status ms  history ms")
@@ -613,6 +698,9 @@ def measure(args: argparse.Namespace) -> int:
         if args.only == "takeover":
             results["takeover"] = takeovers_section(quick)
             report_takeover(results["takeover"])
+        elif args.only == "disk":
+            results["disk"] = disk(quick)
+            report_disk(results["disk"])
         else:
             results["scale"] = scale(quick)
             report_scale(results["scale"])

@@ -1405,3 +1405,23 @@ def test_the_metrics_file_counts_runs_by_status_through_pruning_and_tells_times(
         assert metric(path.read_text(), "anarchon_job_running", job="slow") == 0
 
     run(main())
+
+
+def test_history_is_pruned_once_it_holds_a_tenth_more_than_the_retention(db):
+    """retention=20 keeps 20 records, pruned when a 23rd comes (a tenth more, 2, is let pass):
+    one prune each so many records rather than a write at every one; the counters keep them all."""
+
+    async def main():
+        s = make(db, retention=20)
+        s.every("r", "1d", lambda ctx: None, overlap="allow")
+        sizes = []
+        async with s:
+            for count in range(1, 24):
+                slot = await s.trigger("r")
+                await wait_for(lambda slot=slot: last_succeeded(s, "r", slot), message=f"run {count}")
+                sizes.append(len(await s.history("r", limit=1000)))
+            figures = await s.prometheus()
+        assert sizes == [*range(1, 23), 20]
+        assert 'anarchon_job_runs_total{job="r",status="succeeded"} 23' in figures.splitlines()
+
+    run(main())
