@@ -1,8 +1,9 @@
 """anarchon_lite benchmarks: ``python benchmarks/run.py [--quick] [--json PATH] [--plot PATH] [--store S]``.
 
 Measures heartbeat lateness under seven kinds of load, takeover after ``kill -9`` and hand-over
-after SIGTERM, how late runs start, the cost of an idle scheduler, and the same small workloads on
-APScheduler 3 and 4 side by side. Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
+after SIGTERM, how late runs start, the cost of an idle scheduler, the bytes written to storage per
+occurrence and per renewal (SQLite), import time and idle memory, and the same small workloads on
+APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean`` measures one section. Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
 With ``--store postgresql`` every scheduler shares a throwaway PostgreSQL server (tests/pgserver.py,
 or ``$ANARCHON_TEST_POSTGRES``) instead of an SQLite file, and the takeover of an owner whose
 connections freeze (a partition, through tests/tcpproxy.py) is measured too.
@@ -454,7 +455,7 @@ def main() -> int:
     parser.add_argument("--plot", help="draw a PNG to this file")
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
-    parser.add_argument("--only", choices=("takeover", "scale", "disk"), help="measure only this section")
+    parser.add_argument("--only", choices=("takeover", "scale", "disk", "lean"), help="measure only this section")
     args = parser.parse_args()
     if args.store == "postgresql":
         import pgserver
@@ -606,6 +607,67 @@ def disk(quick: bool) -> dict[str, Any]:
     return section
 
 
+_IDLE_TEN = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[2])
+from anarchon_lite import Scheduler
+async def main():
+    scheduler = Scheduler(sys.argv[1])
+    for i in range(10):
+        scheduler.every(f"job-{i}", "24h", lambda ctx: None, offset=f"{i}h")
+    async with scheduler:
+        print("ready", flush=True)
+        await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def lean(quick: bool) -> dict[str, Any]:
+    """The module's import time (``-X importtime``, its cumulative line, bytecode already compiled;
+    median of many fresh interpreters) and the resident memory of an idle process with 10 jobs."""
+    runs = 11 if quick else 31
+    command = [sys.executable, "-X", "importtime", "-c", "import anarchon_lite"]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True)  # (compiles the bytecode)
+    samples = []
+    for _ in range(runs):
+        err = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True).stderr
+        line = next(line for line in err.splitlines() if line.rstrip().endswith("| anarchon_lite"))
+        samples.append(int(line.split("|")[1]) / 1000)
+    rss = []
+    for _ in range(3 if quick else 5):
+        with tempfile.TemporaryDirectory() as folder:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _IDLE_TEN, os.path.join(folder, "jobs.db"), ROOT],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+                time.sleep(2.0)  # (its threads started, its first looks made)
+                with open(f"/proc/{proc.pid}/status") as handle:
+                    kb = next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+                rss.append(kb / 1024)
+            finally:
+                proc.kill()
+                proc.wait()
+    print("lean: done", flush=True)
+    return {
+        "import_ms_p50": statistics.median(samples),
+        "import_ms_max": max(samples),
+        "imports": runs,
+        "idle_rss_mb_p50": statistics.median(rss),
+        "idle_rss_mb_max": max(rss),
+    }
+
+
+def report_lean(section: dict[str, Any]) -> None:
+    print(
+        f"\nimport anarchon_lite: {section['import_ms_p50']:.1f} ms median (max {section['import_ms_max']:.1f}, "
+        f"{section['imports']} interpreters); idle process with 10 jobs: {section['idle_rss_mb_p50']:.1f} MB resident "
+        f"(max {section['idle_rss_mb_max']:.1f})"
+    )
+
+
 def prefill(db: str, job: str, records: int) -> None:
     """A file whose history holds ``records`` of ``job`` already (the default retention: a box that
     has run for a while prunes as it goes)."""
@@ -701,6 +763,9 @@ def measure(args: argparse.Namespace) -> int:
         elif args.only == "disk":
             results["disk"] = disk(quick)
             report_disk(results["disk"])
+        elif args.only == "lean":
+            results["lean"] = lean(quick)
+            report_lean(results["lean"])
         else:
             results["scale"] = scale(quick)
             report_scale(results["scale"])
@@ -721,11 +786,15 @@ def measure(args: argparse.Namespace) -> int:
     print("start lateness: done", flush=True)
     results["idle"] = idle.result(60.0 if quick else 600.0)
     results["switch_interval_cost"] = switch_cost(2.0 if quick else 5.0)
+    results["disk"] = disk(quick)
+    results["lean"] = lean(quick)
     if not args.no_peers:
         from peers import run_peers
 
         results["peers"] = run_peers(results, quick, STORE["server"], PostgresActivity)
     report(results)
+    report_disk(results["disk"])
+    report_lean(results["lean"])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
