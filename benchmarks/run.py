@@ -537,18 +537,7 @@ def burst(db: str, count: int, processes: int) -> dict[str, Any]:
     """``count`` jobs due at the same second, declared by ``processes`` processes: how late each
     started, how many each process ran, and whether any ran twice or not at all."""
     at = int(time.time()) + 10 + 2 * processes  # time for the processes to start and declare
-    args = ["burst", db, str(count), str(at), str(at + 15)]
-    procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "_scale.py"), *args], stdout=subprocess.PIPE, text=True)
-        for _ in range(processes)
-    ]
-    try:
-        outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = json_lines([os.path.join(HERE, "_scale.py"), "burst", db, str(count), str(at), str(at + 15)], processes, 120)
     starts = [late for out in outs for _, late in out["starts"]]
     jobs = [job for out in outs for job, _ in out["starts"]]
     return {
@@ -685,10 +674,16 @@ def prefill(db: str, job: str, records: int) -> None:
 
 
 def _disk_runs(mode: str, db: str, durability: str, start: float, until: float, processes: int) -> list[Any]:
-    args = [sys.executable, os.path.join(HERE, "_disk.py"), mode, db, durability, str(start), str(until)]
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    args = [os.path.join(HERE, "_disk.py"), mode, db, durability, str(start), str(until)]
+    return json_lines(args, processes, until - time.time() + 120)
+
+
+def json_lines(args: list[str], processes: int, timeout: float) -> list[Any]:
+    """Run ``processes`` copies of the Python program ``args`` at once; the JSON line each prints
+    last. Every one is ended and reaped."""
+    procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True) for _ in range(processes)]
     try:
-        return [json.loads(p.communicate(timeout=until - time.time() + 120)[0].strip().splitlines()[-1]) for p in procs]
+        return [json.loads(p.communicate(timeout=timeout)[0].strip().splitlines()[-1]) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
