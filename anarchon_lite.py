@@ -5385,6 +5385,7 @@ class Scheduler:
         timers.start()
         heartbeats.start()
         self._link.held = True
+        self._metrics_task = None  # (a run after a stop writes its first figures again)
         if self._systemd is not None:
             self._systemd.start_pings(loop)
         try:
