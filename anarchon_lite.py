@@ -29,9 +29,9 @@ lets it continue::
 from __future__ import annotations
 
 import abc
-import argparse
 import asyncio
 import bisect
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -61,6 +61,7 @@ import zlib
 import zoneinfo
 from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator, Sequence
 from typing import (
+    TYPE_CHECKING,
     Any,
     Callable,
     Literal,
@@ -71,8 +72,11 @@ from typing import (
     overload,
 )
 
-from dateutil import rrule as _rrule
-from dateutil.relativedelta import relativedelta
+if TYPE_CHECKING:  # imported when needed: dateutil for rrule schedules, argparse for the command line
+    import argparse
+
+    from dateutil import rrule as _rrule
+    from dateutil.relativedelta import relativedelta
 
 __version__ = "0.1.0"
 
@@ -741,25 +745,33 @@ def _month_days(month: int) -> int:
 
 
 _RRULE_EPOCH = _dt.datetime(2000, 1, 1)
-_FREQ_STEP = {
-    _rrule.YEARLY: "years",
-    _rrule.MONTHLY: "months",
-    _rrule.WEEKLY: "weeks",
-    _rrule.DAILY: "days",
-    _rrule.HOURLY: "hours",
-    _rrule.MINUTELY: "minutes",
-    _rrule.SECONDLY: "seconds",
-}
+# The unit of each of dateutil's frequencies, in their order (``rrule.YEARLY`` is 0, ``SECONDLY`` 6).
+_FREQ_STEP = ("years", "months", "weeks", "days", "hours", "minutes", "seconds")
+_HOURLY = 4
+
+
+def _dateutil_rrule(job: str) -> Any:
+    """dateutil's ``rrule`` module, imported on the first ``rrule`` schedule: the rest of the
+    module works without python-dateutil (a vendored copy on a box with nothing but Python)."""
+    try:
+        from dateutil import rrule
+    except ImportError:
+        raise ConfigError(
+            "rrule schedules need python-dateutil: pip install python-dateutil", job=job, option="rrule"
+        ) from None
+    return rrule
 
 
 class _RRule(_Calendar):
     def __init__(self, rule: str | _rrule.rrule, zone: _dt.tzinfo | None, job: str):
+        rrule = _dateutil_rrule(job)
         if isinstance(rule, str):
-            rule = self._parse(rule, job)
-        if not isinstance(rule, _rrule.rrule):
+            rule = self._parse(rrule, rule, job)
+        if not isinstance(rule, rrule.rrule):
             raise ConfigError(
                 f"rrule must be an RFC 5545 string or a dateutil rrule, not {rule!r}", job=job, option="rrule"
             )
+        rule = cast("_rrule.rrule", rule)
         start: _dt.datetime = rule._dtstart  # type: ignore[attr-defined]
         self.zone = zone or start.tzinfo or _local_zone()
         replace: dict[str, Any] = {
@@ -771,23 +783,23 @@ class _RRule(_Calendar):
         self.rule: _rrule.rrule = rule.replace(**replace)
         self.freq: int = rule._freq  # type: ignore[attr-defined]
         self.interval: int = rule._interval  # type: ignore[attr-defined]
-        self.elapsed = self.freq >= _rrule.HOURLY
+        self.elapsed = self.freq >= _HOURLY
         self.description = f"rrule {_rule_text(self.rule)} {getattr(self.zone, 'key', None) or self.zone}"
         self._shifted: tuple[_dt.datetime, _rrule.rrule] | None = None
 
     @staticmethod
-    def _parse(text: str, job: str) -> _rrule.rrule:
+    def _parse(rrule: Any, text: str, job: str) -> _rrule.rrule:
         if "FREQ=" not in text.upper():
             raise ConfigError(f"rrule {text!r} has no FREQ", job=job, option="rrule")
         try:
-            parsed = _rrule.rrulestr(text.strip(), dtstart=_RRULE_EPOCH)
+            parsed = rrule.rrulestr(text.strip(), dtstart=_RRULE_EPOCH)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"cannot read rrule {text!r}: {exc}", job=job, option="rrule") from None
-        if not isinstance(parsed, _rrule.rrule):
+        if not isinstance(parsed, rrule.rrule):
             raise ConfigError(
                 f"rrule {text!r}: only one RRULE (with an optional DTSTART) is supported", job=job, option="rrule"
             )
-        return parsed
+        return cast("_rrule.rrule", parsed)
 
     def _rule_near(self, naive: _dt.datetime) -> _rrule.rrule:
         """The rule with its start moved forward by whole intervals, to just before ``naive``.
@@ -804,6 +816,8 @@ class _RRule(_Calendar):
         if target <= start:
             return self.rule
         if unit in ("years", "months"):
+            from dateutil.relativedelta import relativedelta
+
             delta = relativedelta(target, start)
             whole = delta.years if unit == "years" else delta.years * 12 + delta.months
         else:
@@ -822,6 +836,8 @@ class _RRule(_Calendar):
 
 
 def _steps(unit: str, count: int) -> relativedelta:
+    from dateutil.relativedelta import relativedelta
+
     size: dict[str, Any] = {unit: count}
     return relativedelta(**size)
 
@@ -954,6 +970,24 @@ class _End:
     then: _Then = _Then.DONE
     not_before: int = 0
     output: str | None = None
+
+
+# The statuses a record ends with (``running`` is an attempt's record until its end is written).
+_ENDED = ("succeeded", "failed", "timed_out", "interrupted", "cancelled", "skipped", "missed")
+
+
+class _JobFigures(NamedTuple):
+    """What the history says of one job, for metrics: records by ending status (those pruned
+    included), its newest start, success and failure (ms), its newest attempt's duration (ms) and
+    how many of its attempts run now."""
+
+    job: str
+    records: dict[str, int]
+    started: int | None
+    succeeded: int | None
+    failed: int | None  # (failed or timed out)
+    duration: int | None
+    running: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1134,6 +1168,12 @@ class _Store(abc.ABC):
     def history(self, job: str | None, limit: int) -> list[RunRecord]:
         """The newest ``limit`` records (of ``job``, or of every job), newest first."""
 
+    @abc.abstractmethod
+    def figures(self) -> list[_JobFigures]:
+        """Every job's figures, by name: the records of each ending status
+        (counted since the job was first declared: pruning keeps the count), the newest start,
+        success and failure, the newest attempt's duration, the attempts running now."""
+
     # -- upkeep
 
     @abc.abstractmethod
@@ -1249,7 +1289,7 @@ class _Backend(abc.ABC):
 # ``?`` and ``:name`` placeholders (the PostgreSQL connection translates them). ``lease_clock()`` is a
 # function each store defines: the clock its leases are stamped and compared on, in seconds.
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Every write to a job row gives it the next change number (``changed``; writers take turns, so the
 # numbers are handed out in commit order): a process re-reads only the rows changed since the newest
 # number it has seen, not every job. (``register`` writes only what is new or declared otherwise.)
@@ -1315,17 +1355,41 @@ _SQL_RECORD = (
 _SQL_END_ATTEMPT = (
     "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ? WHERE job = ? AND slot = ? AND attempt = ?"
 )
+# As _SQL_END_ATTEMPT when the record is already the job's newest (a short run: nothing recorded for
+# the job since it started): the record is changed in place, no index is touched.
+_SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = (SELECT max(id) FROM history WHERE job = ?)"
 _SQL_SLOT_USED = (
     "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
 )
 _SQL_HISTORY_COLUMNS = "job, slot, attempt, status, instance, started_at, finished_at, error, output"
 _SQL_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT ?"
 _SQL_JOB_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? ORDER BY id DESC LIMIT ?"  # (by index)
-_SQL_PRUNE_HISTORY = (  # never the records of an unfinished run: it still writes its end there
-    "DELETE FROM history WHERE job = ? AND id <= "
-    "(SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?) "
+# How many records of each status pruning has deleted, per job (the history keeps the rest).
+_SQL_TOTALS_TABLE = """CREATE TABLE IF NOT EXISTS totals (
+        job TEXT NOT NULL,
+        status TEXT NOT NULL,
+        records BIGINT NOT NULL,
+        PRIMARY KEY (job, status)
+    )"""
+_SQL_NTH_NEWEST = "SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?"
+_SQL_PRUNABLE = (  # a job's records past the newest ``retention``; never an unfinished run's: it still writes its end there
+    f"job = ? AND id <= ({_SQL_NTH_NEWEST}) "
     "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
 )
+_SQL_COUNT_PRUNED = (  # the records pruning deletes stay counted: the metrics' counters never go down
+    f"INSERT INTO totals (job, status, records) SELECT job, status, count(*) FROM history WHERE {_SQL_PRUNABLE} "
+    "GROUP BY job, status ON CONFLICT (job, status) DO UPDATE SET records = totals.records + excluded.records"
+)
+_SQL_PRUNE_HISTORY = f"DELETE FROM history WHERE {_SQL_PRUNABLE}"
+# The metrics: per job and status the records, newest start and end; the newest attempt's duration.
+_SQL_FIGURES = "SELECT job, status, count(*), max(started_at), max(finished_at) FROM history GROUP BY job, status"
+_SQL_TOTALS = "SELECT job, status, records FROM totals"
+_SQL_LAST_DURATIONS = (
+    "SELECT job, finished_at - started_at FROM history WHERE id IN (SELECT max(id) FROM history "
+    "WHERE attempt > 0 AND status != 'running' AND started_at IS NOT NULL AND finished_at IS NOT NULL GROUP BY job)"
+)
+_SQL_RUNNING = "SELECT job, count(*) FROM runs WHERE state = 'running' GROUP BY job"
+_SQL_JOB_NAMES = "SELECT name FROM jobs"
 _SQL_PRUNE_CHECKPOINTS = (
     "DELETE FROM checkpoints WHERE job = ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = checkpoints.job "
     "AND r.slot = checkpoints.slot) AND NOT EXISTS (SELECT 1 FROM history h WHERE h.job = checkpoints.job "
@@ -1543,7 +1607,9 @@ class _SQLStore(_Store):
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
         if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
             return False
-        conn.execute(self._SQL_FINISH_ATTEMPT, (end.status, end.now_ms, end.error, end.output, job, slot, attempt))
+        ended = (end.status, end.now_ms, end.error, end.output, job, slot, attempt)
+        if conn.execute(_SQL_END_NEWEST, (*ended, job)).rowcount == 0:  # others were recorded since: made the newest
+            conn.execute(self._SQL_FINISH_ATTEMPT, ended)
         if end.then is _Then.DONE:
             conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
@@ -1552,6 +1618,11 @@ class _SQLStore(_Store):
         return True
 
     def _prune(self, conn: Any, job: str) -> None:
+        """Prune the job's history to ``retention`` records once it holds a tenth more: each write
+        of a prune changes a few pages, once every hundred records rather than at every one."""
+        if conn.execute(_SQL_NTH_NEWEST, (job, self.retention + self.retention // 10)).fetchone() is None:
+            return
+        conn.execute(_SQL_COUNT_PRUNED, (job, job, self.retention))
         conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
         conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
 
@@ -1607,16 +1678,50 @@ class _SQLStore(_Store):
             for r in (self._read(_SQL_HISTORY, (limit,)) if job is None else self._read(_SQL_JOB_HISTORY, (job, limit)))
         ]
 
+    def figures(self) -> list[_JobFigures]:
+        names = sorted(row[0] for row in self._read(_SQL_JOB_NAMES))
+        records: dict[str, dict[str, int]] = {name: dict.fromkeys(_ENDED, 0) for name in names}
+        newest: dict[tuple[str, str], tuple[int | None, int | None]] = {}
+        for job, status, count, started, finished in self._read(_SQL_FIGURES):
+            newest[job, status] = (started, finished)
+            if status in _ENDED and job in records:
+                records[job][status] += count
+        for job, status, count in self._read(_SQL_TOTALS):
+            if status in _ENDED and job in records:
+                records[job][status] += count
+        durations = dict(self._read(_SQL_LAST_DURATIONS))
+        running = dict(self._read(_SQL_RUNNING))
+
+        def last(job: str, statuses: Iterable[str], index: int) -> int | None:
+            found = [newest[job, status][index] for status in statuses if (job, status) in newest]
+            return max((t for t in found if t is not None), default=None)
+
+        return [
+            _JobFigures(
+                name,
+                records[name],
+                last(name, ("running", *_ENDED), 0),
+                last(name, ("succeeded",), 1),
+                last(name, ("failed", "timed_out"), 1),
+                durations.get(name),
+                running.get(name, 0),
+            )
+            for name in names
+        ]
+
 
 ###############################################################################
 # The SQLite store ############################################################
 ###############################################################################
 
-# The WAL is written back into the file once it holds this many pages (1 MiB at 4 KiB a page), and
-# cut back to this size after: it outgrows that only while a reader keeps an old snapshot. (At 64
-# pages, the load test's renewals waited 2-3 times longer at p50 behind the extra checkpoints.)
-_WAL_PAGES = 256
+# The WAL is written back into the file once it holds this many bytes of pages (1 MiB), and cut
+# back to this size after: it outgrows that only while a reader keeps an old snapshot. (At a quarter
+# of that, the load test's renewals waited 2-3 times longer at p50 behind the extra checkpoints.)
 _WAL_LIMIT = 1024 * 1024
+# A new file's pages: a commit writes each page it changed whole into the WAL, and an occurrence
+# changes about nine (a job row, a run row, a history record, their indexes): 1 KiB each instead of
+# SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
+_PAGE_SIZE = 1024
 _SCHEMA = (
     # One row per declared job: its pause flag and its watermark (every occurrence up to
     # ``last_slot`` has been handled: run, skipped or missed).
@@ -1652,10 +1757,11 @@ _SCHEMA = (
         started_at INTEGER,
         process_group TEXT,
         PRIMARY KEY (job, slot)
-    )""",
-    # One row per attempt, and per skipped or missed occurrence (attempt 0).
+    ) WITHOUT ROWID""",
+    # One row per attempt, and per skipped or missed occurrence (attempt 0). (A new id is always
+    # the largest: records are only ever deleted from the oldest end, or replaced by a newer id.)
     """CREATE TABLE IF NOT EXISTS history (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        id INTEGER PRIMARY KEY,
         job TEXT NOT NULL,
         slot INTEGER NOT NULL,
         attempt INTEGER NOT NULL,
@@ -1687,6 +1793,7 @@ _SCHEMA = (
         attempt INTEGER,
         PRIMARY KEY (job, slot)
     )""",
+    _SQL_TOTALS_TABLE,
 )
 # From each earlier version to the next, in place and in one transaction with the version change.
 # Every step only adds, so a process of the previous version still running on the file keeps working
@@ -1705,6 +1812,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE runs ADD COLUMN process_group TEXT",
     ),
     4: _MIGRATE_TO_CHANGE_NUMBERS,
+    5: (_SQL_TOTALS_TABLE,),
 }
 
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
@@ -1963,9 +2071,12 @@ class _SQLiteStore(_SQLStore):
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 self._refuse_newer(version)
+            if version == 0:  # (a file with anything in it keeps its page size)
+                conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
             self._switch_to_wal(conn)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
-            conn.execute(f"PRAGMA wal_autocheckpoint = {_WAL_PAGES if self._autocheckpoint else 0}")
+            pages = _WAL_LIMIT // int(conn.execute("PRAGMA page_size").fetchone()[0])
+            conn.execute(f"PRAGMA wal_autocheckpoint = {pages if self._autocheckpoint else 0}")
             conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
             if version < SCHEMA_VERSION:
                 self._create_schema(conn)
@@ -2410,12 +2521,19 @@ class _SQLiteChanges(_Changes):
 class _SQLite(_Backend):
     """The SQLite file at ``path``: one connection per thread of the scheduler."""
 
-    def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int):
+    def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int, durability: str):
         self.path, self.where, self._clock, self._busy_timeout = path, path, clock, busy_timeout
         self._read_only, self._retention = read_only, retention
+        self._synchronous = "FULL" if durability == "full" else "NORMAL"
 
-    def main(self) -> _Store:  # synchronous=FULL
-        store = _SQLiteStore(self.path, busy_timeout=self._busy_timeout, read_only=self._read_only, clock=self._clock)
+    def main(self) -> _Store:
+        store = _SQLiteStore(
+            self.path,
+            busy_timeout=self._busy_timeout,
+            synchronous=self._synchronous,
+            read_only=self._read_only,
+            clock=self._clock,
+        )
         store.retention = self._retention
         return store
 
@@ -2518,6 +2636,7 @@ _PG_SCHEMA = (
         attempt INTEGER,
         PRIMARY KEY (job, slot)
     )""",
+    _SQL_TOTALS_TABLE,
     (
         "CREATE FUNCTION lease_clock() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE AS "
         "'SELECT extract(epoch FROM clock_timestamp())::DOUBLE PRECISION'"
@@ -2540,7 +2659,7 @@ _PG_SCHEMA = (
     FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
     $$""",
 )
-_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {4: _MIGRATE_TO_CHANGE_NUMBERS}  # as _MIGRATIONS
+_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {4: _MIGRATE_TO_CHANGE_NUMBERS, 5: (_SQL_TOTALS_TABLE,)}  # as _MIGRATIONS
 _PG_COMEBACK = 60  # seconds
 _PG_RECONNECT = 5.0  # seconds a call waits for a lost connection to be made again (a fast restart takes 1-2)
 _PG_VERSION = "SELECT version FROM meta"
@@ -2733,7 +2852,12 @@ class _PGStore(_SQLStore):
     _renewal = staticmethod(_pg_renewal)
 
     def __init__(
-        self, target: _PGTarget, identity: _PGIdentity, *, read_only: bool = False, busy_timeout: float = 30.0
+        self,
+        target: _PGTarget,
+        identity: _PGIdentity,
+        *,
+        read_only: bool = False,
+        busy_timeout: float = 30.0,
     ):
         self.path = target.shown
         self._target = target
@@ -3246,14 +3370,24 @@ class _Timers(threading.Thread):
 
 @dataclasses.dataclass
 class _Lateness:
-    """Heartbeat lateness samples (seconds), kept for the benchmark and for ``status()``."""
+    """Heartbeat lateness samples (seconds), kept for the benchmark, and those of the last minute
+    (with when, on the monotonic clock) for the metrics."""
 
     samples: list[float] = dataclasses.field(default_factory=list)
     lost: int = 0
+    recent: collections.deque[tuple[float, float]] = dataclasses.field(default_factory=collections.deque)
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, now: float) -> None:
         if len(self.samples) < 100_000:
             self.samples.append(value)
+        self.recent.append((now, value))
+        while self.recent[0][0] < now - 60.0:
+            self.recent.popleft()
+
+    def p99(self, now: float) -> float | None:
+        """The 99th percentile of the last minute's samples, or None if there were none."""
+        values = sorted(value for at, value in list(self.recent) if at >= now - 60.0)
+        return values[min(len(values) - 1, int(len(values) * 0.99))] if values else None
 
 
 class _SwitchInterval:
@@ -3434,7 +3568,7 @@ class _Heartbeats(threading.Thread):
         with self._cond:
             if self._due == planned:  # the first to finish this round
                 for _ in batch:
-                    self.lateness.add(now - planned)
+                    self.lateness.add(now - planned, now)
                 self._due = max(planned + period, now + period / 4)
             for attempt in batch:
                 attempt.valid_until = max(attempt.valid_until, sent + attempt.lease)
@@ -4001,6 +4135,7 @@ def _run_info(row: _RunRow, now: float) -> RunInfo:
 ###############################################################################
 
 _LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, then closed
+_HURRIED = 2 * _LAST_WORDS + 5.0  # seconds hurried attempts have to end and write their ends
 
 
 def _contained(exc: BaseException) -> BaseException:
@@ -4239,6 +4374,7 @@ class _Runner:
         self._events = events
         self._checkpoints = checkpoints
         self._poke = poke  #: called after an end that leaves the run to be claimed: the scheduler looks again
+        self.ends_written: Callable[[], None] = _nothing  #: called after each write of ends
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
@@ -4274,7 +4410,8 @@ class _Runner:
 
     async def drain(self) -> None:
         """After a stop: wait up to the stop grace for the attempts, which hand their runs over;
-        then hurry the rest (cancelled, abandoned) and let them write their ends."""
+        then hurry the rest (cancelled, abandoned) and let them write their ends. Takes
+        ``longest_drain()`` at most."""
         assert self.hurry is not None
         if self.tasks:
             every = asyncio.ensure_future(asyncio.wait(set(self.tasks)))
@@ -4284,11 +4421,15 @@ class _Runner:
             hurry.cancel()
         self.hurry.set()
         if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=2 * _LAST_WORDS + 5.0)
+            await asyncio.wait(set(self.tasks), timeout=_HURRIED)
         for task in list(self.tasks):  # a store that does not answer: the next owner takes the runs over
             task.cancel()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=1.0)
+
+    def longest_drain(self) -> float:
+        """The seconds ``drain()`` takes at most."""
+        return self.grace + 0.1 + _HURRIED + 1.0
 
     async def _run(self, attempt: _Attempt) -> None:
         assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
@@ -4440,6 +4581,7 @@ class _Runner:
         else:
             for (_, future), written in zip(batch, results):
                 _set_result(future, written)
+            self.ends_written()
 
 
 ###############################################################################
@@ -4577,6 +4719,139 @@ def _missed_records(slots: list[int], count: int) -> list[tuple[int, str | None]
 
 
 ###############################################################################
+# Metrics #####################################################################
+###############################################################################
+#
+# The Prometheus text format, written to a file for node_exporter's textfile collector (no server of
+# our own): what the history says of every job, and how late this process's lease renewals are.
+
+_METRIC_HELP = {
+    "anarchon_job_runs_total": (
+        "counter",
+        "Records of the job by status: its attempts' ends, and the occurrences skipped or missed.",
+    ),
+    "anarchon_job_last_start_timestamp_seconds": ("gauge", "When the job's newest attempt started."),
+    "anarchon_job_last_success_timestamp_seconds": ("gauge", "When the job's newest successful attempt ended."),
+    "anarchon_job_last_failure_timestamp_seconds": (
+        "gauge",
+        "When the job's newest failed or timed-out attempt ended.",
+    ),
+    "anarchon_job_last_duration_seconds": ("gauge", "How long the job's newest ended attempt ran."),
+    "anarchon_job_running": ("gauge", "The job's attempts running now, on any process."),
+    "anarchon_lease_renewal_lateness_p99_seconds": (
+        "gauge",
+        "How late this process renewed its leases against their plan over the last minute (99th percentile).",
+    ),
+}
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _prometheus(figures: Sequence[_JobFigures], lateness: dict[str, float] | None = None) -> str:
+    """The figures (and each instance's renewal lateness) in the Prometheus text format."""
+    samples: dict[str, list[tuple[str, float]]] = {name: [] for name in _METRIC_HELP}
+    for f in figures:
+        job = f'job="{_label(f.job)}"'
+        for status, count in f.records.items():
+            samples["anarchon_job_runs_total"].append((f'{job},status="{status}"', count))
+        for name, ms in (
+            ("anarchon_job_last_start_timestamp_seconds", f.started),
+            ("anarchon_job_last_success_timestamp_seconds", f.succeeded),
+            ("anarchon_job_last_failure_timestamp_seconds", f.failed),
+            ("anarchon_job_last_duration_seconds", f.duration),
+        ):
+            if ms is not None:
+                samples[name].append((job, ms / 1000))
+        samples["anarchon_job_running"].append((job, f.running))
+    for instance, value in (lateness or {}).items():
+        samples["anarchon_lease_renewal_lateness_p99_seconds"].append((f'instance="{_label(instance)}"', value))
+    lines = []
+    for name, found in samples.items():
+        if found:
+            kind, text = _METRIC_HELP[name]
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{{{labels}}} {value}" for labels, value in found]
+    return "".join(line + "\n" for line in lines)
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, then renamed over it (a
+    reader such as node_exporter never sees half a file; the name does not end in ``.prom``)."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+###############################################################################
+# Talking to systemd ##########################################################
+###############################################################################
+
+
+class _Notify:
+    """systemd's notify protocol (sd_notify(3)) with no dependency: each message one datagram to
+    ``$NOTIFY_SOCKET``, a path or, when it starts with ``@``, an abstract socket. Reading the
+    variables removes them from the environment, so that no command this process starts talks to
+    systemd in its name. Sending never raises: a manager that went away is a debug line."""
+
+    def __init__(self, environ: dict[str, str] | os._Environ[str]):
+        address = environ.pop("NOTIFY_SOCKET", "")
+        usec, pid = environ.pop("WATCHDOG_USEC", ""), environ.pop("WATCHDOG_PID", "")
+        #: where messages go (an abstract socket's name starts with NUL); empty: not under systemd
+        self.address = "\0" + address[1:] if address.startswith("@") else address
+        if not self.address.startswith(("/", "\0")):  # unset, or a kind of socket not supported here
+            self.address = ""
+        #: seconds between ``WATCHDOG=1`` pings (half the manager's timeout), or None: no watchdog
+        self.watchdog = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid())) else None
+        self._socket: socket.socket | None = None
+        self._status: str | None = None  # the STATUS= last sent
+        self._next: asyncio.TimerHandle | None = None  # the next WATCHDOG=1
+
+    def send(self, *fields: str) -> None:
+        """Send ``fields`` (``"READY=1"``, ``"STATUS=…"``) as one message."""
+        if not self.address:
+            return
+        try:
+            if self._socket is None:
+                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self._socket.sendto("\n".join(fields).encode(), self.address)
+        except OSError as exc:
+            _log.debug("cannot notify the service manager at %r: %s", self.address, exc)
+
+    def status(self, text: str, *fields: str) -> None:
+        """Send ``STATUS=text`` when it differs from the last one sent, and ``READY=1`` with the
+        first (or ``fields`` instead)."""
+        if text != self._status or fields:
+            first = self._status is None
+            self._status = text
+            self.send(*(fields or (("READY=1",) if first else ())), f"STATUS={text}")
+
+    def start_pings(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Send ``WATCHDOG=1`` now and every ``watchdog`` seconds from ``loop``'s own thread (when
+        the manager asked for it): a wedged loop stops the pings, and systemd restarts the process;
+        a handler busy in a thread does not."""
+        if self.watchdog is not None and self.address:
+            self.send("WATCHDOG=1")
+            self._next = loop.call_later(self.watchdog, self.start_pings, loop)
+
+    def close(self) -> None:
+        """Stop the pings and close the socket."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+###############################################################################
 # The scheduler ###############################################################
 ###############################################################################
 
@@ -4603,7 +4878,17 @@ class Scheduler:
     ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
     it was; None leaves it alone), ``read_only`` (only look at the file, for ``status()`` and
     ``history()``: a missing file is a ``StoreError``, nothing is created, and the file may be in a
-    directory this process cannot write; such a scheduler cannot run or change anything).
+    directory this process cannot write; such a scheduler cannot run or change anything),
+    ``notify`` (talk to systemd when ``$NOTIFY_SOCKET`` is set, for a service of ``Type=notify``:
+    ``READY=1`` once joined, ``STATUS=``, ``STOPPING=1``, and ``WATCHDOG=1`` from the event loop when
+    ``WatchdogSec=`` is set; for a process that systemd runs as the service itself, not for one of
+    its workers. The command line's ``run`` and ``crontab`` do it), ``metrics_file`` (a path, for
+    node_exporter's textfile collector: rewritten whole, at start and within a second of each
+    attempt's start and end, with what ``prometheus()`` returns), ``durability`` (of the SQLite
+    file's commits: ``"normal"``, the default, syncs the WAL to disk at its checkpoints, so a power
+    cut can lose the last commits, and an occurrence whose claim was lost may run again after power
+    returns, never twice while it is on; ``"full"`` syncs every commit, for about twice the bytes
+    written. On PostgreSQL the server's ``synchronous_commit`` decides).
     """
 
     def __init__(
@@ -4618,6 +4903,9 @@ class Scheduler:
         blocked_warning: float = 1.0,
         switch_interval: float | None = 0.0005,
         read_only: bool = False,
+        notify: bool = False,
+        metrics_file: str | os.PathLike | None = None,  # type: ignore[type-arg]
+        durability: Literal["full", "normal"] = "normal",
     ):
         self.path = os.fspath(path)
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
@@ -4633,10 +4921,12 @@ class Scheduler:
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
         self._read_only = read_only
+        if durability not in ("full", "normal"):
+            raise ConfigError(f"must be 'full' or 'normal', not {durability!r}", option="durability")
         backend: _Backend = (
             _Postgres(self.path, read_only, busy_timeout, retention)
             if _is_postgres(self.path)
-            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention)
+            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention, durability)
         )
         self._where = backend.where  # the database, as messages name it
         self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
@@ -4661,6 +4951,14 @@ class Scheduler:
         self._rejoin = False
         self._ready: asyncio.Event | None = None
         self._idle = self._poll
+        self._systemd = _Notify(os.environ) if notify else None  #: the service manager, when it is told
+        #: the node_exporter textfile, rewritten at start and after each start and end of a run
+        self._metrics_file: str | None = None
+        self._metrics_task: asyncio.Task[None] | None = None  #: the rewrite in progress (or waiting)
+        self._metrics_again = False  #: something happened since it began: rewrite once more after it
+        self._metrics_failing: str | None = None
+        if metrics_file is not None:
+            self._keep_metrics(os.fspath(metrics_file))
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
@@ -4866,6 +5164,47 @@ class Scheduler:
         """The newest ``limit`` records (of ``job``, or of every job), newest first."""
         return await self._link.call(lambda s: s.history(job, limit))
 
+    async def prometheus(self) -> str:
+        """Every job's figures in the Prometheus text format (what ``metrics_file`` holds): runs
+        by status (counters: pruning the history keeps them), the newest start, success, failure
+        and duration, the attempts running now; while this scheduler runs, also its lease
+        renewals' lateness over the last minute (99th percentile)."""
+        return await self._link.call(lambda s: _prometheus(s.figures(), self._lateness()))
+
+    def _lateness(self) -> dict[str, float]:
+        heartbeats = self._heartbeats
+        p99 = None if heartbeats is None else heartbeats.lateness.p99(self._clock.monotonic())
+        return {} if p99 is None else {self.instance: p99}
+
+    def _keep_metrics(self, path: str) -> None:
+        if self._metrics_file is None:  # a start, a skipped or missed occurrence once recorded; an end once written
+            self._events.listeners.append(lambda event: None if event.duration is not None else self._metrics_soon())
+            self._runner.ends_written = self._metrics_soon
+        self._metrics_file = path
+
+    def _metrics_soon(self) -> None:
+        """Rewrite the metrics file: now, or (while one is written) a second after that one."""
+        if self._metrics_task is not None and not self._metrics_task.done():
+            self._metrics_again = True
+        elif self._metrics_file is not None and not self._stopping:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._write_metrics(self._metrics_file))
+
+    async def _write_metrics(self, path: str, again: bool = True) -> None:
+        while True:
+            self._metrics_again = False
+            try:
+                await self._link.call(lambda s: _replace_file(path, _prometheus(s.figures(), self._lateness())))
+                self._metrics_failing = None
+            except (StoreError, OSError) as exc:  # told once, until it works again
+                if str(exc) != self._metrics_failing:
+                    _log.warning("cannot write the metrics file %s: %s", path, exc)
+                    self._metrics_failing = str(exc)
+            if not again:
+                return
+            await asyncio.sleep(1.0)  # one write a second at most, however many runs end
+            if not self._metrics_again:
+                return
+
     async def status(self) -> list[JobStatus]:
         """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
         jobs, runs = await self._link.call(lambda s: (s.jobs(), s.runs()))
@@ -5046,6 +5385,9 @@ class Scheduler:
         timers.start()
         heartbeats.start()
         self._link.held = True
+        self._metrics_task = None  # (a run after a stop writes its first figures again)
+        if self._systemd is not None:
+            self._systemd.start_pings(loop)
         try:
             await self._join_first(loop_state)
             self._poked = False
@@ -5063,12 +5405,23 @@ class Scheduler:
                     self._backing_off = False
                 if self._ready is not None:
                     self._ready.set()
+                if self._systemd is not None:
+                    self._systemd.status(self._doing(loop_state))
+                if self._metrics_file is not None and self._metrics_task is None:  # the first, once joined
+                    self._metrics_soon()
                 await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
                 busy = loop_state.busy_until - self._clock.monotonic()
                 if busy > 0 and not self._stopping:  # what comes due meanwhile is fired together
                     await asyncio.sleep(busy)
+            self._stopping_told()
             await self._runner.drain()
+            if self._metrics_file is not None:  # the last figures, with nothing running here
+                if self._metrics_task is not None:
+                    self._metrics_task.cancel()
+                await self._write_metrics(self._metrics_file, again=False)
         finally:
+            if self._systemd is not None:
+                self._systemd.close()
             loop_state.watch.close()
             timers.stop()
             heartbeats.stop()
@@ -5079,6 +5432,20 @@ class Scheduler:
                     _log.warning("%s", exc)
             self._link.held = False
             self._link.close()
+
+    def _doing(self, state: _LoopState) -> str:
+        """What this process is doing, in a line (systemd's ``STATUS=``)."""
+        text = f"{len(self._jobs)} jobs, {len(self._attempts)} running"
+        return text if state.failing is None else f"{text}; failing: {state.failing}"
+
+    def _stopping_told(self) -> None:
+        """Tell systemd that this process stops, and how long handing its runs over may take."""
+        if self._systemd is None:
+            return
+        fields = ["STOPPING=1"]
+        if self._attempts:
+            fields.append(f"EXTEND_TIMEOUT_USEC={int(self._runner.longest_drain() * 1e6)}")
+        self._systemd.status(f"stopping: handing over {len(self._attempts)} running", *fields)
 
     async def _join_first(self, state: _LoopState) -> None:
         """Join the group; the first process of a group runs the jobs declared to run on start. A
@@ -5368,6 +5735,10 @@ class Control:
     def cancel(self, name: str) -> int:
         """Cancel the unfinished runs of ``name``; how many."""
         return asyncio.run(self.scheduler.cancel(name))
+
+    def prometheus(self) -> str:
+        """Every job's figures in the Prometheus text format (``Scheduler.prometheus``)."""
+        return asyncio.run(self.scheduler.prometheus())
 
 
 @dataclasses.dataclass
@@ -6003,12 +6374,9 @@ def _load_scheduler(target: str) -> Scheduler:
     return found
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, as every other error of the command line
-        self.exit(2, f"{self.prog}: {message} (see --help)\n")
-
-
 def _log_level(text: str) -> str:
+    import argparse
+
     if not isinstance(logging.getLevelName(text.upper()), int):
         raise argparse.ArgumentTypeError(f"unknown level {text!r} (debug, info, warning, error, critical)")
     return text.upper()
@@ -6071,6 +6439,8 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """The options every subcommand takes, before or after its name (after it, a subcommand's
     parser sets only what is given: ``defaults`` False)."""
 
+    import argparse
+
     def default(value: Any) -> Any:
         return value if defaults else argparse.SUPPRESS
 
@@ -6094,6 +6464,12 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    import argparse  # here, not at the top: it is a tenth of the module's import time
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> Any:  # one line, as every other error of the command line
+            self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
     parser = _Parser(prog="anarchon-lite", description="Work on an anarchon_lite database file.")
     parser.add_argument("--version", action="version", version=f"anarchon-lite {__version__}")
     _global_options(parser, defaults=True)
@@ -6105,7 +6481,11 @@ def _parser() -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=text, parents=[common])
 
     status = command("status", "every job, its next occurrence and running attempts")
-    status.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    shown.add_argument(
+        "--prometheus", action="store_true", help="print every job's figures in the Prometheus text format"
+    )
     history = command("history", "run records, newest first")
     history.add_argument("--job", help="only this job's records")
     history.add_argument("--limit", type=int, default=50, help="how many records (default: 50)")
@@ -6119,13 +6499,24 @@ def _parser() -> argparse.ArgumentParser:
         control = command(name, text)
         control.add_argument("name", help="the job's name")
         control.add_argument("--json", action="store_true", help="say what was done as a JSON object")
-    command("run", "run the Scheduler that MODULE:ATTRIBUTE names").add_argument(
-        "target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one"
-    )
+    run = command("run", "run the Scheduler that MODULE:ATTRIBUTE names")
+    run.add_argument("target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one")
     crontab = command("crontab", "run a crontab file of shell commands")
     crontab.add_argument("file", help="the crontab file")
+    for runner in (run, crontab):
+        runner.add_argument(
+            "--metrics-file",
+            metavar="PATH",
+            help="keep PATH a Prometheus text file of every job's figures, for node_exporter's textfile collector",
+        )
     crontab.add_argument(
         "--check", action="store_true", help="only read the file: list each entry and its next 3 runs, start nothing"
+    )
+    crontab.add_argument(
+        "--durability",
+        choices=("normal", "full"),
+        default="normal",
+        help="normal: a power cut can lose the last commits (the default); full: sync every commit to disk",
     )
     return parser
 
@@ -6144,7 +6535,12 @@ def _command(args: argparse.Namespace) -> int:
     if args.command in ("run", "crontab"):
         _configure_logging(args.log_level, args.log_format)
     if args.command == "run":
-        _run_target(_load_scheduler(args.target), args.target)
+        scheduler = _load_scheduler(args.target)
+        if scheduler._systemd is None:  # the command line is the service: it talks to systemd
+            scheduler._systemd = _Notify(os.environ)
+        if args.metrics_file:
+            scheduler._keep_metrics(args.metrics_file)
+        _run_target(scheduler, args.target)
         return 0
     if args.command == "crontab" and args.check:
         _check_crontab(args.file)
@@ -6152,14 +6548,16 @@ def _command(args: argparse.Namespace) -> int:
     if not args.db:
         raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")
     if args.command == "crontab":
-        scheduler = Scheduler(args.db)
+        scheduler = Scheduler(args.db, notify=True, metrics_file=args.metrics_file, durability=args.durability)
         _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
     control = Control(args.db, read_only=args.command in ("status", "history"))
-    if args.command == "status":
+    if args.command == "status" and args.prometheus:
+        print(control.prometheus(), end="")
+    elif args.command == "status":
         _print_status(control.status(), args.json)
     elif args.command == "history":
         _print_history(control.history(args.job, args.limit), args.json)

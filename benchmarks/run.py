@@ -1,8 +1,9 @@
 """anarchon_lite benchmarks: ``python benchmarks/run.py [--quick] [--json PATH] [--plot PATH] [--store S]``.
 
 Measures heartbeat lateness under seven kinds of load, takeover after ``kill -9`` and hand-over
-after SIGTERM, how late runs start, the cost of an idle scheduler, and the same small workloads on
-APScheduler 3 and 4 side by side. Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
+after SIGTERM, how late runs start, the cost of an idle scheduler, the bytes written to storage per
+occurrence and per renewal (SQLite), import time and idle memory, and the same small workloads on
+APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean`` measures one section. Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
 With ``--store postgresql`` every scheduler shares a throwaway PostgreSQL server (tests/pgserver.py,
 or ``$ANARCHON_TEST_POSTGRES``) instead of an SQLite file, and the takeover of an owner whose
 connections freeze (a partition, through tests/tcpproxy.py) is measured too.
@@ -16,6 +17,7 @@ import datetime as dt
 import json
 import os
 import platform
+import py_compile
 import signal
 import sqlite3
 import statistics
@@ -454,7 +456,7 @@ def main() -> int:
     parser.add_argument("--plot", help="draw a PNG to this file")
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
-    parser.add_argument("--only", choices=("takeover", "scale"), help="measure only this section")
+    parser.add_argument("--only", choices=("takeover", "scale", "disk", "lean"), help="measure only this section")
     args = parser.parse_args()
     if args.store == "postgresql":
         import pgserver
@@ -535,18 +537,7 @@ def burst(db: str, count: int, processes: int) -> dict[str, Any]:
     """``count`` jobs due at the same second, declared by ``processes`` processes: how late each
     started, how many each process ran, and whether any ran twice or not at all."""
     at = int(time.time()) + 10 + 2 * processes  # time for the processes to start and declare
-    args = ["burst", db, str(count), str(at), str(at + 15)]
-    procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "_scale.py"), *args], stdout=subprocess.PIPE, text=True)
-        for _ in range(processes)
-    ]
-    try:
-        outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = json_lines([os.path.join(HERE, "_scale.py"), "burst", db, str(count), str(at), str(at + 15)], processes, 120)
     starts = [late for out in outs for _, late in out["starts"]]
     jobs = [job for out in outs for job, _ in out["starts"]]
     return {
@@ -559,6 +550,160 @@ def burst(db: str, count: int, processes: int) -> dict[str, Any]:
         "p99_s": percentile(starts, 99),
         "max_s": max(starts, default=float("nan")),
     }
+
+
+def disk(quick: bool) -> dict[str, Any]:
+    """Bytes sent to storage (every process's ``write_bytes``: WAL, checkpoints, everything), on a
+    file on disk (not /tmp, which may be RAM): per occurrence of a job ``every 1s`` with a handler
+    that returns at once, with one and four processes, and per lease renewal of a running attempt;
+    with each durability."""
+    span = 30.0 if quick else 120.0
+    section: dict[str, Any] = {"short": [], "heartbeat": []}
+    for durability in ("full", "normal"):
+        for processes in (1, 4):
+            with tempfile.TemporaryDirectory(prefix=".disk-", dir=ROOT) as folder:
+                db = os.path.join(folder, "jobs.db")
+                prefill(db, "tick", 1000)
+                start = time.time() + 5 + 2 * processes  # time to start, join and settle
+                outs = _disk_runs("short", db, durability, start, start + span, processes)
+                runs = query(
+                    db,
+                    f"SELECT count(*) FROM history WHERE status = 'succeeded' AND slot >= {int(start * 1000)} "
+                    f"AND slot < {int((start + span) * 1000)}",
+                )[0][0]
+            per = sum(out["bytes"] for out in outs) / max(runs, 1)
+            section["short"].append(
+                {
+                    "durability": durability,
+                    "processes": processes,
+                    "occurrences": runs,
+                    "bytes_per_occurrence": per,
+                    "per_day_every_second_mb": per * 86400 / 1e6,
+                    "per_day_every_minute_mb": per * 1440 / 1e6,
+                }
+            )
+        with tempfile.TemporaryDirectory(prefix=".disk-", dir=ROOT) as folder:
+            start = time.time() + 5
+            (out,) = _disk_runs("long", os.path.join(folder, "jobs.db"), durability, start, start + span, 1)
+        section["heartbeat"].append(
+            {
+                "durability": durability,
+                "renewals": out["renewals"],
+                "bytes": out["bytes"],
+                "bytes_per_renewal": out["bytes"] / max(out["renewals"], 1),
+            }
+        )
+        print(f"disk {durability}: done", flush=True)
+    return section
+
+
+_IDLE_TEN = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[2])
+from anarchon_lite import Scheduler
+async def main():
+    scheduler = Scheduler(sys.argv[1])
+    for i in range(10):
+        scheduler.every(f"job-{i}", "24h", lambda ctx: None, offset=f"{i}h")
+    async with scheduler:
+        print("ready", flush=True)
+        await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def lean(quick: bool) -> dict[str, Any]:
+    """The module's import time (``-X importtime``, its cumulative line, bytecode already compiled;
+    median of many fresh interpreters) and the resident memory of an idle process with 10 jobs."""
+    runs = 11 if quick else 31
+    command = [sys.executable, "-X", "importtime", "-c", "import anarchon_lite"]
+    # As installed: the bytecode compiled (pip does it; $PYTHONDONTWRITEBYTECODE would make every
+    # import compile the source, 60 ms more, and leave the compiler's memory in the process's RSS)
+    py_compile.compile(os.path.join(ROOT, "anarchon_lite.py"), doraise=True)
+    samples = []
+    for _ in range(runs):
+        err = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True).stderr
+        line = next(line for line in err.splitlines() if line.rstrip().endswith("| anarchon_lite"))
+        samples.append(int(line.split("|")[1]) / 1000)
+    rss = []
+    for _ in range(3 if quick else 5):
+        with tempfile.TemporaryDirectory() as folder:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _IDLE_TEN, os.path.join(folder, "jobs.db"), ROOT],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+                time.sleep(2.0)  # (its threads started, its first looks made)
+                with open(f"/proc/{proc.pid}/status") as handle:
+                    kb = next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+                rss.append(kb / 1024)
+            finally:
+                proc.kill()
+                proc.wait()
+    print("lean: done", flush=True)
+    return {
+        "import_ms_p50": statistics.median(samples),
+        "import_ms_max": max(samples),
+        "imports": runs,
+        "idle_rss_mb_p50": statistics.median(rss),
+        "idle_rss_mb_max": max(rss),
+    }
+
+
+def report_lean(section: dict[str, Any]) -> None:
+    print(
+        f"\nimport anarchon_lite: {section['import_ms_p50']:.1f} ms median (max {section['import_ms_max']:.1f}, "
+        f"{section['imports']} interpreters); idle process with 10 jobs: {section['idle_rss_mb_p50']:.1f} MB resident "
+        f"(max {section['idle_rss_mb_max']:.1f})"
+    )
+
+
+def prefill(db: str, job: str, records: int) -> None:
+    """A file whose history holds ``records`` of ``job`` already (the default retention: a box that
+    has run for a while prunes as it goes)."""
+    asyncio.run(Scheduler(db).status())  # (creates the file)
+    now = int(time.time() * 1000)
+    with sqlite3.connect(db) as conn:
+        conn.executemany(
+            "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at) "
+            "VALUES (?, ?, 1, 'succeeded', 'before', ?, ?)",
+            [(job, slot, slot, slot + 1) for slot in range(now - records * 1000, now - 1000, 1000)],
+        )
+
+
+def _disk_runs(mode: str, db: str, durability: str, start: float, until: float, processes: int) -> list[Any]:
+    args = [os.path.join(HERE, "_disk.py"), mode, db, durability, str(start), str(until)]
+    return json_lines(args, processes, until - time.time() + 120)
+
+
+def json_lines(args: list[str], processes: int, timeout: float) -> list[Any]:
+    """Run ``processes`` copies of the Python program ``args`` at once; the JSON line each prints
+    last. Every one is ended and reaped."""
+    procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    try:
+        return [json.loads(p.communicate(timeout=timeout)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def report_disk(section: dict[str, Any]) -> None:
+    print("\nbytes to storage per occurrence (a job every 1 s, a handler that returns at once)")
+    print("durability  processes  occurrences  KB/occurrence  MB/day every 1 s  MB/day every 1 min")
+    for r in section["short"]:
+        print(
+            f"{r['durability']:<11} {r['processes']:>9}  {r['occurrences']:>11}  {r['bytes_per_occurrence'] / 1024:>13.1f}"
+            f"  {r['per_day_every_second_mb']:>16.1f}  {r['per_day_every_minute_mb']:>18.2f}"
+        )
+    for r in section["heartbeat"]:
+        print(
+            f"lease renewals ({r['durability']}): {r['renewals']} renewals, {r['bytes']} bytes, "
+            f"{r['bytes_per_renewal']:.0f} bytes per renewal"
+        )
 
 
 def report_scale(section: dict[str, Any]) -> None:
@@ -613,6 +758,12 @@ def measure(args: argparse.Namespace) -> int:
         if args.only == "takeover":
             results["takeover"] = takeovers_section(quick)
             report_takeover(results["takeover"])
+        elif args.only == "disk":
+            results["disk"] = disk(quick)
+            report_disk(results["disk"])
+        elif args.only == "lean":
+            results["lean"] = lean(quick)
+            report_lean(results["lean"])
         else:
             results["scale"] = scale(quick)
             report_scale(results["scale"])
@@ -633,11 +784,15 @@ def measure(args: argparse.Namespace) -> int:
     print("start lateness: done", flush=True)
     results["idle"] = idle.result(60.0 if quick else 600.0)
     results["switch_interval_cost"] = switch_cost(2.0 if quick else 5.0)
+    results["disk"] = disk(quick)
+    results["lean"] = lean(quick)
     if not args.no_peers:
         from peers import run_peers
 
         results["peers"] = run_peers(results, quick, STORE["server"], PostgresActivity)
     report(results)
+    report_disk(results["disk"])
+    report_lean(results["lean"])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)

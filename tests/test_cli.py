@@ -567,3 +567,26 @@ def test_on_failure_runs_a_command_with_the_failed_attempt_and_its_output(tmp_pa
     assert told.read_text().split() == ["bad", "failed", "5", str(record["slot"])], told.read_text()
     assert body.read_text() == "the disk is full\n"
     assert "MAILTO is ignored" in (tmp_path / "daemon-0.log").read_text()
+
+
+def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(tmp_path, daemons):
+    """`crontab --metrics-file PATH` keeps PATH a Prometheus text file for node_exporter (runs by
+    status, newest times, running attempts, its renewal lateness); `status --prometheus` prints the
+    same job figures once."""
+    db, crontab, metrics = str(tmp_path / "jobs.db"), tmp_path / "crontab", tmp_path / "anarchon.prom"
+    crontab.write_text("# name: ok\n@every 24h true\n# name: bad\n@every 24h exit 3\n")
+    daemons.start("--db", db, "crontab", str(crontab), "--metrics-file", str(metrics))
+    wait_until(lambda: metrics.exists() and 'anarchon_job_running{job="ok"} 0' in metrics.read_text(), what="figures")
+    cli(db, "trigger", "ok")
+    cli(db, "trigger", "bad")
+    ended = (
+        'anarchon_job_runs_total{job="ok",status="succeeded"} 1',
+        'anarchon_job_runs_total{job="bad",status="failed"} 1',
+    )
+    wait_until(lambda: all(line in metrics.read_text() for line in ended), what="both ends counted")
+    printed = cli(db, "status", "--prometheus").stdout
+    assert all(line in printed.splitlines() for line in ended), printed
+    assert 'anarchon_job_last_failure_timestamp_seconds{job="bad"} ' in printed
+    assert "# TYPE anarchon_job_runs_total counter" in printed
+    job_lines = [line for line in metrics.read_text().splitlines() if "lease_renewal" not in line]
+    assert [line for line in printed.splitlines() if "lease_renewal" not in line] == job_lines

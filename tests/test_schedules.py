@@ -336,3 +336,43 @@ def test_upcoming_takes_naive_after_as_utc():
     naive = dt.datetime(2026, 5, 1, 10, 30)
     assert s.upcoming("e", 2, naive) == s.upcoming("e", 2, naive.replace(tzinfo=UTC))
     assert s.upcoming("e", 1, naive)[0].tzinfo is not None
+
+
+_WITHOUT_DATEUTIL = """
+import asyncio, sys
+if sys.argv[2] == "hidden":
+    sys.modules["dateutil"] = None  # as on a box where python-dateutil is not installed
+import anarchon_lite
+scheduler = anarchon_lite.Scheduler(sys.argv[1])
+scheduler.every("a", "1m", print)
+scheduler.cron("b", "0 3 * * *", print, tz="UTC")
+print(len(scheduler.upcoming("b", 3)), len(asyncio.run(scheduler.status())))
+print(sorted(name for name, module in sys.modules.items() if module and name.startswith(("dateutil", "argparse"))))
+try:
+    scheduler.rrule("c", "FREQ=DAILY;BYHOUR=5", print)
+except anarchon_lite.ConfigError as exc:
+    print(exc)
+else:
+    print(scheduler.upcoming("c", 1)[0].hour)
+"""
+
+
+@pytest.mark.parametrize("dateutil", ["hidden", "installed"])
+def test_only_rrule_schedules_need_dateutil_and_nothing_imports_it_before(tmp_path, dateutil):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_DATEUTIL, str(tmp_path / "jobs.db"), dateutil],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["3 2", "[]"]  # every and cron declared, upcoming and status work; neither module imported
+    if dateutil == "hidden":
+        assert lines[2] == "job 'c', option 'rrule': rrule schedules need python-dateutil: pip install python-dateutil"
+    else:
+        assert lines[2] == "5"

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import needs_faketime, run, wait_for, wall_clock_ahead
+from conftest import ManualClock, needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler, StoreError
@@ -332,3 +332,53 @@ def test_liveness_sockets_tell_an_ended_owner_at_once_and_keep_no_descriptor_beh
         assert os.listdir(folder) == []
 
     run(main())
+
+
+def wal_frames(db):
+    """The WAL's size in frames (a frame: a 24-byte header and one page)."""
+    page = sqlite3.connect(db).execute("PRAGMA page_size").fetchone()[0]
+    return os.path.getsize(db + "-wal") // (24 + page), page
+
+
+def test_a_short_occurrence_writes_at_most_nine_pages_of_1_kib(db):
+    """What reaches the disk for an occurrence is the pages its two commits (claim, end) change,
+    each whole: at most nine of a new file's 1 KiB pages (a job row and its change index, a run row,
+    a history record and its two indexes, then the run row and the record again). It was sixteen
+    pages of 4 KiB: two indexes on runs, sqlite_sequence, and an end that moved the record to a
+    new id through every index."""
+    clock = ManualClock()
+    done = []
+
+    async def main():
+        s = Scheduler(db, clock=clock, poll=0.02)
+        s.every("tick", "1s", lambda ctx: done.append(ctx.slot))
+        async with s:
+            clock.advance(1.0)
+            await wait_for(lambda: len(done) == 1, message="the first occurrence")
+            await wait_for(lambda: has_ended(db, done[-1]), message="its end written")
+            before, page = wal_frames(db)
+            for count in range(2, 7):
+                clock.advance(1.0)
+                await wait_for(lambda count=count: len(done) == count, message=f"occurrence {count}")
+                await wait_for(lambda: has_ended(db, done[-1]), message="its end written")
+            after, _ = wal_frames(db)
+        return page, (after - before) / 5
+
+    page, frames = run(main())
+    assert page == 1024
+    assert frames <= 9, f"{frames} pages an occurrence"
+
+
+def has_ended(db, slot):
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT status FROM history WHERE slot = ?", (slot,)).fetchone() == ("succeeded",)
+
+
+@pytest.mark.parametrize(("given", "pragma"), [({}, 1), ({"durability": "normal"}, 1), ({"durability": "full"}, 2)])
+def test_durability_sets_how_the_file_syncs_and_a_bad_value_is_refused(db, given, pragma):
+    """durability="normal" (the default) syncs the WAL at checkpoints (synchronous=NORMAL);
+    "full" every commit (FULL)."""
+    s = Scheduler(db, **given)
+    assert run(s._link.call(lambda store: store._read("PRAGMA synchronous")))[0][0] == pragma
+    with pytest.raises(al.ConfigError, match="durability"):
+        Scheduler(db, durability="fast")
