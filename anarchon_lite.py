@@ -3878,6 +3878,10 @@ class _StoreThread:
         self._executor.submit(self.store.close)
         self._executor.shutdown(wait=False)
 
+    def join(self) -> None:
+        """Wait for the thread to end (after ``close``)."""
+        self._executor.shutdown(wait=True)
+
 
 class _StoreLink:
     """How the scheduler, its checkpoints and its handlers' contexts reach the store: calls queued
@@ -3896,6 +3900,7 @@ class _StoreLink:
         self.held = False  #: the scheduler runs: the thread and its connection stay between calls
         self.prepared = False  #: ``prepare`` ran on this connection since the declarations changed
         self._thread: _StoreThread | None = None
+        self._closing: _StoreThread | None = None  # the last one closed, ending
 
     @property
     def open(self) -> bool:
@@ -3922,11 +3927,15 @@ class _StoreLink:
             await self._thread.call(lambda s: s.close())
         self.prepared = False
 
-    def close(self) -> None:
-        """Close the connection and end the thread (after the calls queued before this one)."""
+    def close(self, wait: bool = False) -> None:
+        """Close the connection and end the thread (after the calls queued before this one); with
+        ``wait``, return once both are done (those of an earlier close too)."""
         if self._thread is not None:
             self._thread.close()
-            self._thread = None
+            self._closing, self._thread = self._thread, None
+        if wait and self._closing is not None:
+            self._closing.join()
+            self._closing = None
         self.prepared = False
 
 
@@ -5344,6 +5353,17 @@ class Scheduler:
         thread.join(timeout)
         self._thread = self._thread_loop = None
 
+    def close(self) -> None:
+        """Let go of what this object holds: a scheduler started by ``start_in_thread`` is stopped
+        (as ``stop_thread()``), and the store's thread and connection are closed. A scheduler
+        running on an event loop of the caller's must be stopped (``stop()``) first. A later call
+        opens what it needs again."""
+        if self._thread is not None:
+            self.stop_thread()
+        elif self._main is not None and not self._main.done():
+            raise ConfigError("this scheduler is running: stop() it before close()")
+        self._link.close(wait=True)
+
     def _poke(self) -> None:
         """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
         self._dirty = True
@@ -5739,6 +5759,16 @@ class Control:
     def prometheus(self) -> str:
         """Every job's figures in the Prometheus text format (``Scheduler.prometheus``)."""
         return asyncio.run(self.scheduler.prometheus())
+
+    def close(self) -> None:
+        """Close the database (``Scheduler.close``); ``with Control(path) as control:`` does it."""
+        self.scheduler.close()
+
+    def __enter__(self) -> Control:  # noqa: PYI034 - no typing_extensions at run time
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 @dataclasses.dataclass
