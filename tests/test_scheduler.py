@@ -1130,6 +1130,45 @@ def test_calls_outside_a_run_leave_no_thread_or_connection_behind(db):
     run(main())
 
 
+def test_jobs_no_running_process_declares_are_undeclared_refused_and_forgotten(db):
+    """A job is ``undeclared`` once no running process declares it (its last declarer stopped):
+    ``trigger`` refuses it, ``forget`` deletes it and its records; a declared one is not
+    forgotten. With no process running at all nothing can be told: a trigger is kept for later."""
+    from anarchon_lite import ProcessInfo
+
+    async def main():
+        both, one = make(db), make(db)
+        for name in ("shared", "gone"):
+            both.every(name, "24h", lambda ctx: None, offset=QUIET)
+        one.every("shared", "24h", lambda ctx: None, offset=QUIET)
+        async with one:
+            async with both:
+                await both.trigger("gone")
+                await wait_for(lambda: has(one, "gone", "succeeded"), message="gone to run")
+                assert {j.name: j.state for j in await one.status()} == {"gone": "active", "shared": "active"}
+                assert sorted(p.instance for p in await one.processes()) == sorted([both.instance, one.instance])
+            processes = await one.processes()
+            assert [(p.instance, p.jobs) for p in processes] == [(one.instance, 1)]
+            assert isinstance(processes[0], ProcessInfo)
+            status = {j.name: j for j in await one.status()}
+            assert status["gone"].state == "undeclared" and status["shared"].state == "active"
+            assert status["gone"].last_status == "succeeded" and status["gone"].last_at is not None
+            with pytest.raises(ConfigError, match="no running process declares it"):
+                await one.trigger("gone")
+            with pytest.raises(ConfigError, match="declares it"):
+                await one.forget("shared")
+            await one.forget("gone")
+            assert [j.name for j in await one.status()] == ["shared"]
+            assert await one.history("gone") == []
+            with pytest.raises(JobNotFound):
+                await one.forget("gone")
+        assert await one.processes() == []
+        assert (await one.status())[0].state == "active"
+        await one.trigger("shared")  # (no process runs: the first to start runs it)
+
+    run(main())
+
+
 def test_close_stops_a_thread_scheduler_and_leaves_no_thread_or_file_open(db):
     """``close()`` ends a scheduler started in a thread and its store's thread and connection
     (a Flask app's teardown); ``Control`` closes as a context manager; a scheduler running on the
