@@ -6955,6 +6955,12 @@ def _command(args: argparse.Namespace) -> int:
         _configure_logging(args.log_level, args.log_format)
     if args.command == "run":
         scheduler = _load_scheduler(args.target)
+        given = args.db if args.db != os.environ.get("ANARCHON_DB") else None  # (on the command line)
+        if given is not None and _same_store(given) != _same_store(scheduler.path):
+            raise ConfigError(
+                f"--db {given}: `run` uses the database its Scheduler names ({scheduler.path}); "
+                "drop --db, or name that database in the module (Scheduler(os.environ['ANARCHON_DB']) reads $ANARCHON_DB)"
+            )
         if scheduler._systemd is None:  # the command line is the service: it talks to systemd
             scheduler._systemd = _Notify(os.environ)
         if args.metrics_file:
@@ -6998,6 +7004,11 @@ def _command(args: argparse.Namespace) -> int:
         result = getattr(control, args.command)(args.name)  # trigger: its slot; cancel: how many; else None
         _confirm(args.command, args.name, result, args.json)
     return 0
+
+
+def _same_store(path: str) -> str:
+    """What tells two names of a database apart: a URL as it is, a file by its absolute path."""
+    return path if _is_postgres(path) else os.path.abspath(path)
 
 
 def _confirm(command: str, name: str, result: int | None, as_json: bool, idle: bool = False) -> None:

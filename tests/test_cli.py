@@ -373,6 +373,10 @@ def test_command_line_mistakes_are_one_line(tmp_path):
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("anarchon-lite") and done.stderr.count("\n") == 1, done.stderr
         assert expected in done.stderr, done.stderr
+    write_jobs(tmp_path, db, "")
+    other = anarchon("--db", str(tmp_path / "other.db"), "run", "myjobs:scheduler", cwd=tmp_path)
+    assert other.returncode == 2 and "`run` uses the database its Scheduler names" in other.stderr, other.stderr
+    assert other.stderr.count("\n") == 1 and not (tmp_path / "other.db").exists()
 
 
 def test_options_before_or_after_the_command_and_each_control_command_says_what_it_did(tmp_path):
