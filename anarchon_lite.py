@@ -1501,6 +1501,7 @@ class _SQLStore(_Store):
     """
 
     _SQL_RUNS = _SQL_RUNS
+    schema = SCHEMA_VERSION  # the connected schema's version (older only when opened read-only)
     _SQL_FINISH_ATTEMPT = ""  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id)
     _renewal = staticmethod(_renewal)  # the statement that renews leases (PostgreSQL has its own)
 
@@ -1950,6 +1951,7 @@ _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's
     "SELECT job, slot, attempt, ?, instance, started_at, ?, ?, ? FROM history WHERE job = ? AND slot = ? AND attempt = ?"
 )
 _SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id, host, started_at, declares FROM instances"
+_SQL_INSTANCES_BEFORE_6 = "SELECT instance, pid, start, namespace, boot_id, NULL, started_at, NULL FROM instances"
 _SQL_JOIN = (
     "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at, host, declares) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -2162,6 +2164,7 @@ class _SQLiteStore(_SQLStore):
         if version == 0:
             conn.close()
             raise StoreError(self.path, "not an anarchon_lite database (it has no schema)")
+        self.schema = version
         return conn
 
     def _explain(self, exc: sqlite3.Error) -> str:
@@ -2335,9 +2338,10 @@ class _SQLiteStore(_SQLStore):
 
     def _live_processes(self, read: Callable[[str, Sequence[Any]], list[Any]]) -> list[ProcessInfo]:
         me = self._owner()
+        self._connect()  # (``schema`` is known once connected)
         return [
             ProcessInfo(row[0], row[1], row[5], _utc_from_ms(row[6]), row[7])
-            for row in read(_SQL_INSTANCES, ())
+            for row in read(_SQL_INSTANCES if self.schema >= 6 else _SQL_INSTANCES_BEFORE_6, ())
             if row[0] == me.instance or _owner_gone(_Owner(*row[:5]), me) is None
         ]
 
@@ -2825,7 +2829,7 @@ _PG_JOIN = (
     "pid = excluded.pid, started_at = excluded.started_at, declares = excluded.declares"
 )
 _PG_PROCESSES = (
-    "SELECT instance, pid, host, started_at, declares FROM instances "
+    "SELECT instance, pid, host, started_at, {declares} FROM instances "
     "WHERE owner_gone(instance, lock_key) IS NULL ORDER BY instance"
 )
 _PG_FORGET_GONE = "DELETE FROM instances WHERE instance != ? AND owner_gone(instance, lock_key) IS NOT NULL"
@@ -3040,7 +3044,7 @@ class _PGStore(_SQLStore):
         try:
             raw = self._target.connect(self._psycopg)
             try:
-                _pg_prepare(raw, self._target, self._read_only)
+                self.schema = _pg_prepare(raw, self._target, self._read_only)
             except BaseException:
                 raw.close()
                 raise
@@ -3158,7 +3162,9 @@ class _PGStore(_SQLStore):
         return self._write(work)
 
     def _live_processes(self, read: Callable[[str, Sequence[Any]], list[Any]]) -> list[ProcessInfo]:
-        return [ProcessInfo(i, pid, host, _utc_from_ms(since), n) for i, pid, host, since, n in read(_PG_PROCESSES, ())]
+        self._reconnecting(lambda raw: None)  # (``schema`` is known once connected)
+        sql = _PG_PROCESSES.format(declares="declares" if self.schema >= 6 else "NULL")
+        return [ProcessInfo(i, pid, host, _utc_from_ms(since), n) for i, pid, host, since, n in read(sql, ())]
 
     def owner_gone(self, run: _RunRow) -> str | None:
         """As the server judged it when ``run`` was read (``owner_gone()`` in SQL)."""
@@ -3172,7 +3178,7 @@ def _pg_channel(target: _PGTarget) -> str:
     return f"anarchon_{target.schema}"
 
 
-def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> None:
+def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> int:
     """Create the schema on first use (one process at a time: a transaction-level advisory lock),
     or check that it is of a version this module knows."""
     tables = f"{target.schema}.meta"
@@ -3201,6 +3207,7 @@ def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> None:
             target.shown,
             f"schema {target.schema!r} was written by a newer anarchon_lite (version {version}; this one knows {SCHEMA_VERSION})",
         )
+    return version
 
 
 class _PGChanges(_Changes):
