@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import QUIET
+from conftest import QUIET, stop_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -46,15 +46,7 @@ class Daemons:
         return proc
 
     def close(self):
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs)
 
 
 @pytest.fixture

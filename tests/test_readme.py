@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from conftest import stop_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -108,14 +110,7 @@ def test_the_hello_world_runs_each_occurrence_once_in_two_processes(tmp_path):
             time.sleep(0.1)
         assert len(lines) >= 4, lines
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs, signal.SIGINT)
     lines = [line for log in logs for line in log.read_text().splitlines() if line.startswith("hello from")]
     occurrences = [line.rsplit(" ", 1)[-1] for line in lines]
     assert len(occurrences) == len(set(occurrences)), lines
@@ -152,10 +147,5 @@ def test_the_crontab_shown_checks_and_runs(tmp_path):
                 names = [job["name"] for job in status["jobs"]] if status["processes"] else []
         assert names == ["backup", "sync-orders"]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
     assert proc.returncode == 0, (tmp_path / "crontab.log").read_text()
