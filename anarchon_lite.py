@@ -1173,8 +1173,9 @@ class _Store(abc.ABC):
         declarations)."""
 
     @abc.abstractmethod
-    def last_records(self) -> dict[str, tuple[str, int | None, int | None, int]]:
-        """Each job's newest record: (status, started_at, finished_at, slot), by job."""
+    def last_records(self) -> dict[str, tuple[str, int]]:
+        """Each job's newest record, by job: its status, and when its attempt started (ms; for a
+        record of no attempt, when its occurrence was due)."""
 
     @abc.abstractmethod
     def forget(self, job: str) -> str | None:
@@ -1365,7 +1366,7 @@ _SQL_FORGET = tuple(
 _SQL_JOB_RUNS = "SELECT count(*) FROM runs WHERE job = ?"
 # Each job's newest record (the job's largest id: on PostgreSQL too a look-up of the index each).
 _SQL_LAST_RECORDS = (
-    "SELECT job, status, started_at, finished_at, slot FROM history WHERE id IN "
+    "SELECT job, status, COALESCE(started_at, slot) FROM history WHERE id IN "
     "(SELECT (SELECT max(id) FROM history h WHERE h.job = jobs.name) FROM jobs)"
 )
 _SQL_ADVANCE = (
@@ -1763,8 +1764,8 @@ class _SQLStore(_Store):
         conn.execute(_SQL_UNDECLARE_GONE)
         conn.executemany(_SQL_DECLARE, [(name, instance) for name in declares])
 
-    def last_records(self) -> dict[str, tuple[str, int | None, int | None, int]]:
-        return {job: rest for job, *rest in self._read(_SQL_LAST_RECORDS)}
+    def last_records(self) -> dict[str, tuple[str, int]]:
+        return {job: (status, at) for job, status, at in self._read(_SQL_LAST_RECORDS)}
 
     # -- checkpoints and history ------------------------------------------------------------------
 
@@ -2341,7 +2342,7 @@ class _SQLiteStore(_SQLStore):
         self._connect()  # (``schema`` is known once connected)
         return [
             ProcessInfo(row[0], row[1], row[5], _utc_from_ms(row[6]), row[7])
-            for row in read(_SQL_INSTANCES if self.schema >= 6 else _SQL_INSTANCES_BEFORE_6, ())
+            for row in sorted(read(_SQL_INSTANCES if self.schema >= 6 else _SQL_INSTANCES_BEFORE_6, ()))
             if row[0] == me.instance or _owner_gone(_Owner(*row[:5]), me) is None
         ]
 
@@ -5440,7 +5441,7 @@ class Scheduler:
                 declared_by=row.declared_by,
                 undeclared=row.name in undeclared,
                 last_status=None if newest is None else newest[0],
-                last_at=None if newest is None else _utc_from_ms(newest[1] or newest[3]),
+                last_at=None if newest is None else _utc_from_ms(newest[1]),
             )
             result.append(status)
         return result
