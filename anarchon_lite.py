@@ -96,6 +96,7 @@ __all__ = [
     "JobNotFound",
     "JobStatus",
     "LeaseLost",
+    "ProcessInfo",
     "RunContext",
     "RunEvent",
     "RunInfo",
@@ -991,6 +992,17 @@ class _JobFigures(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """A scheduler process running on the store, as ``processes()`` reports it."""
+
+    instance: str
+    pid: int | None
+    host: str | None
+    started_at: _dt.datetime
+    jobs: int | None  # how many jobs it declares (None: a process of an older version, which does not say)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunRecord:
     """One history record: an attempt, or an occurrence that was skipped or missed (attempt 0)."""
 
@@ -1141,13 +1153,35 @@ class _Store(abc.ABC):
     # -- running processes
 
     @abc.abstractmethod
-    def join(self, instance: str, now_ms: int) -> bool:
-        """Record this process (as ``instance``) as running and forget those that are gone; True if
-        no other one is running: the start of a group of processes (what ``@reboot`` runs on)."""
+    def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
+        """Record this process (as ``instance``) as running and declaring the jobs ``declares``
+        (again: after its declarations changed), and forget those that are gone; True if no other
+        one is running: the start of a group of processes (what ``@reboot`` runs on)."""
 
     @abc.abstractmethod
     def leave(self, instance: str) -> None:
-        """Forget this process (it stops)."""
+        """Forget this process and its declarations (it stops)."""
+
+    @abc.abstractmethod
+    def processes(self) -> list[ProcessInfo]:
+        """The processes running on the store, those known to be gone left out."""
+
+    @abc.abstractmethod
+    def undeclared(self, job: str | None = None) -> list[str] | None:
+        """The jobs (of every job, or only ``job``) that no running process declares; None when
+        that cannot be told: no process runs, or one of an older version does (it records no
+        declarations)."""
+
+    @abc.abstractmethod
+    def last_records(self) -> dict[str, tuple[str, int]]:
+        """Each job's newest record, by job: its status, and when its attempt started (ms; for a
+        record of no attempt, when its occurrence was due)."""
+
+    @abc.abstractmethod
+    def forget(self, job: str) -> str | None:
+        """Delete ``job``, its runs, history, checkpoints and counts, unless a running process
+        declares it or it has unfinished runs: then why not (and nothing is deleted). None once
+        forgotten; ``JobNotFound`` if there is no such job."""
 
     # -- checkpoints and history
 
@@ -1289,7 +1323,7 @@ class _Backend(abc.ABC):
 # ``?`` and ``:name`` placeholders (the PostgreSQL connection translates them). ``lease_clock()`` is a
 # function each store defines: the clock its leases are stamped and compared on, in seconds.
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # Every write to a job row gives it the next change number (``changed``; writers take turns, so the
 # numbers are handed out in commit order): a process re-reads only the rows changed since the newest
 # number it has seen, not every job. (``register`` writes only what is new or declared otherwise.)
@@ -1309,6 +1343,32 @@ _SQL_JOB = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE name = ?"
 _SQL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs WHERE changed > ? ORDER BY changed"
 _SQL_ALL_JOBS = f"SELECT {_SQL_JOB_COLUMNS} FROM jobs"
 _SQL_NEWEST_SLOT = "SELECT max(slot) FROM history"
+# Which process declares which job (rows of processes that are gone are deleted by the next to join).
+_SQL_DECLARE = "INSERT INTO declarations (job, instance) VALUES (?, ?)"
+_SQL_UNDECLARE = "DELETE FROM declarations WHERE instance = ?"
+_SQL_UNDECLARE_GONE = "DELETE FROM declarations WHERE instance NOT IN (SELECT instance FROM instances)"
+_SQL_UNDECLARED = (  # (``{live}``: the placeholders of the running processes' instances)
+    "SELECT name FROM jobs WHERE {only}NOT EXISTS "
+    "(SELECT 1 FROM declarations d WHERE d.job = jobs.name AND d.instance IN ({live})) ORDER BY name"
+)
+_SQL_DECLARERS = "SELECT instance FROM declarations WHERE job = ? ORDER BY instance"
+_SQL_FORGET = tuple(
+    f"DELETE FROM {table} WHERE {column} = ?"
+    for table, column in (
+        ("jobs", "name"),
+        ("runs", "job"),
+        ("history", "job"),
+        ("checkpoints", "job"),
+        ("totals", "job"),
+        ("declarations", "job"),
+    )
+)
+_SQL_JOB_RUNS = "SELECT count(*) FROM runs WHERE job = ?"
+# Each job's newest record (the job's largest id: on PostgreSQL too a look-up of the index each).
+_SQL_LAST_RECORDS = (
+    "SELECT job, status, COALESCE(started_at, slot) FROM history WHERE id IN "
+    "(SELECT (SELECT max(id) FROM history h WHERE h.job = jobs.name) FROM jobs)"
+)
 _SQL_ADVANCE = (
     f"UPDATE jobs SET last_slot = ?, next_slot = ?, changed = {_SQL_NEXT_CHANGE} WHERE name = ? AND last_slot = ?"
 )
@@ -1410,6 +1470,15 @@ _SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
 _job_row = _JobRow._make
 
 
+def _reader(conn: Any) -> Callable[[str, Sequence[Any]], list[Any]]:
+    """``read(sql, args)``: the rows of a statement run on ``conn`` (inside a transaction)."""
+
+    def read(sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        return list(conn.execute(sql, args).fetchall())
+
+    return read
+
+
 def _run_row(row: Sequence[Any]) -> _RunRow:
     """A run as read (``_SQL_RUN_COLUMNS``, then the lease left and why the owner is gone, if read)."""
     values = list(row)
@@ -1433,6 +1502,7 @@ class _SQLStore(_Store):
     """
 
     _SQL_RUNS = _SQL_RUNS
+    schema = SCHEMA_VERSION  # the connected schema's version (older only when opened read-only)
     _SQL_FINISH_ATTEMPT = ""  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id)
     _renewal = staticmethod(_renewal)  # the statement that renews leases (PostgreSQL has its own)
 
@@ -1650,6 +1720,53 @@ class _SQLStore(_Store):
 
         return self._write(work)
 
+    def forget(self, job: str) -> str | None:
+        def work(conn: Any) -> str | None:
+            read = _reader(conn)
+            if not read(_SQL_JOB, (job,)):
+                raise JobNotFound("no such job in the database", job=job)
+            live = {p.instance: p for p in self._live_processes(read)}
+            declarers = [row[0] for row in read(_SQL_DECLARERS, (job,)) if row[0] in live]
+            if declarers:
+                return f"the running process {', '.join(declarers)} declares it: remove it there first"
+            if any(p.jobs is None for p in live.values()):
+                older = ", ".join(p.instance for p in live.values() if p.jobs is None)
+                return f"the running process {older} is of an older version, which does not say what it declares"
+            unfinished = int(read(_SQL_JOB_RUNS, (job,))[0][0])
+            if unfinished:
+                return f"it has {unfinished} unfinished run{'s' if unfinished > 1 else ''}: cancel them first"
+            for statement in _SQL_FORGET:
+                conn.execute(statement, (job,))
+            return None
+
+        return self._write(work)
+
+    # -- running processes ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _live_processes(self, read: Callable[[str, Sequence[Any]], list[Any]]) -> list[ProcessInfo]:
+        """The processes running on the store (those known to be gone left out), read with ``read``."""
+
+    def processes(self) -> list[ProcessInfo]:
+        return self._live_processes(self._read)
+
+    def undeclared(self, job: str | None = None) -> list[str] | None:
+        live = self._live_processes(self._read)
+        if not live or any(p.jobs is None for p in live):
+            return None
+        sql = _SQL_UNDECLARED.format(only="name = ? AND " if job else "", live=", ".join("?" * len(live)))
+        return [row[0] for row in self._read(sql, [*([job] if job else []), *(p.instance for p in live)])]
+
+    def _declare(self, conn: Any, instance: str, declares: Sequence[str]) -> None:
+        """Record the jobs ``instance`` declares, instead of those it declared, and forget the
+        declarations of processes that are gone (after their ``instances`` rows)."""
+        conn.execute(_SQL_UNDECLARE, (instance,))
+        conn.execute(_SQL_UNDECLARE_GONE)
+        conn.executemany(_SQL_DECLARE, [(name, instance) for name in declares])
+
+    def last_records(self) -> dict[str, tuple[str, int]]:
+        return {job: (status, at) for job, status, at in self._read(_SQL_LAST_RECORDS)}
+
     # -- checkpoints and history ------------------------------------------------------------------
 
     def checkpoint_get(self, job: str, slot: int, fence: tuple[int, str] | None = None) -> tuple[bool, str | None]:
@@ -1722,6 +1839,11 @@ _WAL_LIMIT = 1024 * 1024
 # changes about nine (a job row, a run row, a history record, their indexes): 1 KiB each instead of
 # SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
 _PAGE_SIZE = 1024
+_SQL_DECLARATIONS_TABLE = """CREATE TABLE IF NOT EXISTS declarations (
+        job TEXT NOT NULL,
+        instance TEXT NOT NULL,
+        PRIMARY KEY (job, instance)
+    ) WITHOUT ROWID"""
 _SCHEMA = (
     # One row per declared job: its pause flag and its watermark (every occurrence up to
     # ``last_slot`` has been handled: run, skipped or missed).
@@ -1775,15 +1897,19 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS history_by_job ON history (job, id)",
     "CREATE INDEX IF NOT EXISTS history_by_slot ON history (slot)",
-    # One row per running scheduler process, so that a process can tell whether it starts alone.
+    # One row per running scheduler process, so that a process can tell whether it starts alone;
+    # ``declares``: how many jobs it declares (NULL from a process of a version before 6).
     """CREATE TABLE IF NOT EXISTS instances (
         instance TEXT PRIMARY KEY,
         pid INTEGER NOT NULL,
         start INTEGER,
         namespace TEXT,
         boot_id TEXT,
-        started_at INTEGER NOT NULL
+        started_at INTEGER NOT NULL,
+        host TEXT,
+        declares INTEGER
     )""",
+    _SQL_DECLARATIONS_TABLE,
     # One row per saved checkpoint; ``attempt`` is the attempt that saved it (NULL from outside a run).
     """CREATE TABLE IF NOT EXISTS checkpoints (
         job TEXT NOT NULL,
@@ -1813,6 +1939,11 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     4: _MIGRATE_TO_CHANGE_NUMBERS,
     5: (_SQL_TOTALS_TABLE,),
+    6: (
+        "ALTER TABLE instances ADD COLUMN host TEXT",
+        "ALTER TABLE instances ADD COLUMN declares INTEGER",
+        _SQL_DECLARATIONS_TABLE,
+    ),
 }
 
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
@@ -1820,9 +1951,11 @@ _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's
     "INSERT OR REPLACE INTO history (job, slot, attempt, status, instance, started_at, finished_at, error, output) "
     "SELECT job, slot, attempt, ?, instance, started_at, ?, ?, ? FROM history WHERE job = ? AND slot = ? AND attempt = ?"
 )
-_SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id FROM instances"
+_SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id, host, started_at, declares FROM instances"
+_SQL_INSTANCES_BEFORE_6 = "SELECT instance, pid, start, namespace, boot_id, NULL, started_at, NULL FROM instances"
 _SQL_JOIN = (
-    "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at) VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at, host, declares) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
 
@@ -2032,6 +2165,7 @@ class _SQLiteStore(_SQLStore):
         if version == 0:
             conn.close()
             raise StoreError(self.path, "not an anarchon_lite database (it has no schema)")
+        self.schema = version
         return conn
 
     def _explain(self, exc: sqlite3.Error) -> str:
@@ -2185,21 +2319,32 @@ class _SQLiteStore(_SQLStore):
 
     # -- running processes ------------------------------------------------------------------------
 
-    def join(self, instance: str, now_ms: int) -> bool:
+    def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
         me = dataclasses.replace(self._me, instance=instance)
 
         def work(conn: sqlite3.Connection) -> bool:
-            others = [_Owner(*row) for row in conn.execute(_SQL_INSTANCES) if row[0] != me.instance]
+            others = [_Owner(*row[:5]) for row in conn.execute(_SQL_INSTANCES) if row[0] != me.instance]
             alive = 0
             for other in others:
                 if _owner_gone(other, me) is not None:
                     conn.execute(_SQL_LEAVE, (other.instance,))
                 else:
                     alive += 1
-            conn.execute(_SQL_JOIN, (me.instance, me.pid, me.start, me.namespace, me.boot_id, now_ms))
+            row = (me.instance, me.pid, me.start, me.namespace, me.boot_id, now_ms, socket.gethostname(), len(declares))
+            conn.execute(_SQL_JOIN, row)
+            self._declare(conn, instance, declares)
             return alive == 0
 
         return self._write(work)
+
+    def _live_processes(self, read: Callable[[str, Sequence[Any]], list[Any]]) -> list[ProcessInfo]:
+        me = self._owner()
+        self._connect()  # (``schema`` is known once connected)
+        return [
+            ProcessInfo(row[0], row[1], row[5], _utc_from_ms(row[6]), row[7])
+            for row in sorted(read(_SQL_INSTANCES if self.schema >= 6 else _SQL_INSTANCES_BEFORE_6, ()))
+            if row[0] == me.instance or _owner_gone(_Owner(*row[:5]), me) is None
+        ]
 
     def owner_gone(self, run: _RunRow) -> str | None:
         """Why the process holding ``run`` no longer exists, or None when it may be alive (then
@@ -2207,7 +2352,7 @@ class _SQLiteStore(_SQLStore):
         return None if run.owner_pid is None else _owner_gone(run.holder(), self._me)
 
     def leave(self, instance: str) -> None:
-        self._write(lambda conn: conn.execute(_SQL_LEAVE, (instance,)))
+        self._write(lambda conn: (conn.execute(_SQL_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
 
 
 def _real_path(path: str) -> str:
@@ -2568,6 +2713,7 @@ class _SQLite(_Backend):
 
 # The first key of every advisory lock of a schema (the second is the process's ``lock_key``).
 _PG_LOCK_SPACE = "(hashtext({schema_literal}) & 2147483647)"
+_PG_DECLARATIONS_TABLE = _SQL_DECLARATIONS_TABLE.replace(" WITHOUT ROWID", "")
 _PG_SCHEMA = (
     "CREATE TABLE meta (version INTEGER NOT NULL)",
     """CREATE TABLE jobs (
@@ -2625,8 +2771,10 @@ _PG_SCHEMA = (
         server_start TIMESTAMPTZ NOT NULL,
         host TEXT,
         pid INTEGER,
-        started_at BIGINT NOT NULL
+        started_at BIGINT NOT NULL,
+        declares INTEGER
     )""",
+    _PG_DECLARATIONS_TABLE,
     "CREATE SEQUENCE lock_keys AS INTEGER MINVALUE 1 CYCLE",
     """CREATE TABLE checkpoints (
         job TEXT NOT NULL,
@@ -2659,7 +2807,11 @@ _PG_SCHEMA = (
     FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
     $$""",
 )
-_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {4: _MIGRATE_TO_CHANGE_NUMBERS, 5: (_SQL_TOTALS_TABLE,)}  # as _MIGRATIONS
+_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # as _MIGRATIONS
+    4: _MIGRATE_TO_CHANGE_NUMBERS,
+    5: (_SQL_TOTALS_TABLE,),
+    6: ("ALTER TABLE instances ADD COLUMN declares INTEGER", _PG_DECLARATIONS_TABLE),
+}
 _PG_COMEBACK = 60  # seconds
 _PG_RECONNECT = 5.0  # seconds a call waits for a lost connection to be made again (a fast restart takes 1-2)
 _PG_VERSION = "SELECT version FROM meta"
@@ -2672,10 +2824,14 @@ _PG_RUNS = (  # owner_pid: the key of the lock its owner held when it took the r
     f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock(), owner_gone(owner, owner_pid) FROM runs ORDER BY job, slot"
 )
 _PG_JOIN = (
-    "INSERT INTO instances (instance, lock_key, server_start, host, pid, started_at) "
-    "VALUES (?, ?, pg_postmaster_start_time(), ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET "
+    "INSERT INTO instances (instance, lock_key, server_start, host, pid, started_at, declares) "
+    "VALUES (?, ?, pg_postmaster_start_time(), ?, ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET "
     "lock_key = excluded.lock_key, server_start = excluded.server_start, host = excluded.host, "
-    "pid = excluded.pid, started_at = excluded.started_at"
+    "pid = excluded.pid, started_at = excluded.started_at, declares = excluded.declares"
+)
+_PG_PROCESSES = (
+    "SELECT instance, pid, host, started_at, {declares} FROM instances "
+    "WHERE owner_gone(instance, lock_key) IS NULL ORDER BY instance"
 )
 _PG_FORGET_GONE = "DELETE FROM instances WHERE instance != ? AND owner_gone(instance, lock_key) IS NOT NULL"
 _PG_OTHERS = "SELECT count(*) FROM instances WHERE instance != ?"
@@ -2889,7 +3045,7 @@ class _PGStore(_SQLStore):
         try:
             raw = self._target.connect(self._psycopg)
             try:
-                _pg_prepare(raw, self._target, self._read_only)
+                self.schema = _pg_prepare(raw, self._target, self._read_only)
             except BaseException:
                 raw.close()
                 raise
@@ -2991,7 +3147,7 @@ class _PGStore(_SQLStore):
 
     # -- running processes ------------------------------------------------------------------------
 
-    def join(self, instance: str, now_ms: int) -> bool:
+    def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
         if not self._identity.held.wait(5.0) or self._identity.key is None:
             raise StoreError(
                 self.path, "not connected: waiting for the connection that holds this process's lock", transient=True
@@ -2999,25 +3155,31 @@ class _PGStore(_SQLStore):
         key = self._identity.key
 
         def work(conn: Any) -> bool:
-            conn.execute(_PG_JOIN, (instance, key, socket.gethostname(), os.getpid(), now_ms))
+            conn.execute(_PG_JOIN, (instance, key, socket.gethostname(), os.getpid(), now_ms, len(declares)))
             conn.execute(_PG_FORGET_GONE, (instance,))
+            self._declare(conn, instance, declares)
             return int(conn.execute(_PG_OTHERS, (instance,)).fetchone()[0]) == 0
 
         return self._write(work)
+
+    def _live_processes(self, read: Callable[[str, Sequence[Any]], list[Any]]) -> list[ProcessInfo]:
+        self._reconnecting(lambda raw: None)  # (``schema`` is known once connected)
+        sql = _PG_PROCESSES.format(declares="declares" if self.schema >= 6 else "NULL")
+        return [ProcessInfo(i, pid, host, _utc_from_ms(since), n) for i, pid, host, since, n in read(sql, ())]
 
     def owner_gone(self, run: _RunRow) -> str | None:
         """As the server judged it when ``run`` was read (``owner_gone()`` in SQL)."""
         return run.gone
 
     def leave(self, instance: str) -> None:
-        self._write(lambda conn: conn.execute(_PG_LEAVE, (instance,)))
+        self._write(lambda conn: (conn.execute(_PG_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
 
 
 def _pg_channel(target: _PGTarget) -> str:
     return f"anarchon_{target.schema}"
 
 
-def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> None:
+def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> int:
     """Create the schema on first use (one process at a time: a transaction-level advisory lock),
     or check that it is of a version this module knows."""
     tables = f"{target.schema}.meta"
@@ -3046,6 +3208,7 @@ def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> None:
             target.shown,
             f"schema {target.schema!r} was written by a newer anarchon_lite (version {version}; this one knows {SCHEMA_VERSION})",
         )
+    return version
 
 
 class _PGChanges(_Changes):
@@ -3878,6 +4041,10 @@ class _StoreThread:
         self._executor.submit(self.store.close)
         self._executor.shutdown(wait=False)
 
+    def join(self) -> None:
+        """Wait for the thread to end (after ``close``)."""
+        self._executor.shutdown(wait=True)
+
 
 class _StoreLink:
     """How the scheduler, its checkpoints and its handlers' contexts reach the store: calls queued
@@ -3896,6 +4063,7 @@ class _StoreLink:
         self.held = False  #: the scheduler runs: the thread and its connection stay between calls
         self.prepared = False  #: ``prepare`` ran on this connection since the declarations changed
         self._thread: _StoreThread | None = None
+        self._closing: _StoreThread | None = None  # the last one closed, ending
 
     @property
     def open(self) -> bool:
@@ -3922,11 +4090,15 @@ class _StoreLink:
             await self._thread.call(lambda s: s.close())
         self.prepared = False
 
-    def close(self) -> None:
-        """Close the connection and end the thread (after the calls queued before this one)."""
+    def close(self, wait: bool = False) -> None:
+        """Close the connection and end the thread (after the calls queued before this one); with
+        ``wait``, return once both are done (those of an earlier close too)."""
         if self._thread is not None:
             self._thread.close()
-            self._thread = None
+            self._closing, self._thread = self._thread, None
+        if wait and self._closing is not None:
+            self._closing.join()
+            self._closing = None
         self.prepared = False
 
 
@@ -4121,6 +4293,14 @@ class JobStatus:
     runs: tuple[RunInfo, ...]
     definition: str | None = None  # as the process that last changed its declaration declared it
     declared_by: str | None = None  # that process's instance id
+    undeclared: bool = False  # no running process declares it (removed from a crontab, renamed in code)
+    last_status: str | None = None  # the status of its newest record (``running`` while that one runs)
+    last_at: _dt.datetime | None = None  # when that record's attempt started (or its occurrence was due)
+
+    @property
+    def state(self) -> str:
+        """``undeclared``, ``paused`` or ``active``."""
+        return "undeclared" if self.undeclared else "paused" if self.paused else "active"
 
 
 def _run_info(row: _RunRow, now: float) -> RunInfo:
@@ -5111,6 +5291,7 @@ class Scheduler:
         """Declare ``jobs`` instead of the current ones (a crontab read again), from the next look."""
         self._jobs = jobs
         self._link.prepared = False
+        self._rejoin = True  # (what this process declares is recorded with it)
         self._poke()
 
     def _disagree(self, row: _JobRow, outcome: str) -> None:
@@ -5133,11 +5314,35 @@ class Scheduler:
 
     async def trigger(self, name: str) -> int:
         """Record a run of ``name`` due now and return its slot (ms); a process declaring the job
-        runs it. Works whether or not this scheduler is running."""
+        runs it (while none runs, the first to start that declares it). Works whether or not this
+        scheduler is running. ``JobNotFound`` for a job the store does not hold; ``ConfigError``
+        for one that no running process declares (nothing would run it)."""
         now = _ms(self._clock.time())
-        slot = await self._link.call(lambda s: s.trigger(name, now))
+
+        def trigger(store: _Store) -> int:
+            if name in (store.undeclared(name) or ()):
+                raise ConfigError(
+                    "no running process declares it (removed from a crontab, or renamed?): nothing would run it; "
+                    "`forget` removes it and its records",
+                    job=name,
+                )
+            return store.trigger(name, now)
+
+        slot = await self._link.call(trigger)
         self._poke()
         return slot
+
+    async def forget(self, name: str) -> None:
+        """Delete ``name`` and everything recorded of it (runs, history, checkpoints, counts):
+        for a job that no running process declares any more. ``ConfigError`` (and nothing deleted)
+        while one declares it or it has unfinished runs; ``JobNotFound`` if there is no such job."""
+        why = await self._link.call(lambda s: s.forget(name))
+        if why is not None:
+            raise ConfigError(f"not forgotten: {why}", job=name)
+
+    async def processes(self) -> list[ProcessInfo]:
+        """The scheduler processes running on the store (this one too, while it runs)."""
+        return await self._link.call(lambda s: s.processes())
 
     async def pause(self, name: str) -> None:
         """Stop scheduling ``name`` on every process (runs in progress carry on)."""
@@ -5206,8 +5411,10 @@ class Scheduler:
                 return
 
     async def status(self) -> list[JobStatus]:
-        """Every job in the file: schedule, next occurrence, paused flag and unfinished runs."""
-        jobs, runs = await self._link.call(lambda s: (s.jobs(), s.runs()))
+        """Every job in the file: schedule, next occurrence, state, newest record and unfinished runs."""
+        jobs, runs, undeclared, last = await self._link.call(
+            lambda s: (s.jobs(), s.runs(), set(s.undeclared() or ()), s.last_records())
+        )
         now_wall = self._clock.time()
         now_ms = _ms(now_wall)
         runs_of: dict[str, list[_RunRow]] = {}
@@ -5220,6 +5427,7 @@ class Scheduler:
             if declared is not None and following is not None and following <= now_ms:  # due: the one after now
                 following = declared.schedule.next_after(now_ms)
             mine = runs_of.get(row.name)
+            newest = last.get(row.name)
             # (Filled in directly: a frozen dataclass's __init__ sets each field through
             # object.__setattr__, 2 us an object, a third of a status of 10,000 jobs.)
             status = object.__new__(JobStatus)
@@ -5231,6 +5439,9 @@ class Scheduler:
                 runs=() if mine is None else tuple(_run_info(r, now_wall) for r in mine),
                 definition=row.definition,
                 declared_by=row.declared_by,
+                undeclared=row.name in undeclared,
+                last_status=None if newest is None else newest[0],
+                last_at=None if newest is None else _utc_from_ms(newest[1]),
             )
             result.append(status)
         return result
@@ -5344,6 +5555,17 @@ class Scheduler:
         thread.join(timeout)
         self._thread = self._thread_loop = None
 
+    def close(self) -> None:
+        """Let go of what this object holds: a scheduler started by ``start_in_thread`` is stopped
+        (as ``stop_thread()``), and the store's thread and connection are closed. A scheduler
+        running on an event loop of the caller's must be stopped (``stop()``) first. A later call
+        opens what it needs again."""
+        if self._thread is not None:
+            self.stop_thread()
+        elif self._main is not None and not self._main.done():
+            raise ConfigError("this scheduler is running: stop() it before close()")
+        self._link.close(wait=True)
+
     def _poke(self) -> None:
         """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
         self._dirty = True
@@ -5365,7 +5587,8 @@ class Scheduler:
     async def _join(self) -> bool:
         """Record this process among the file's running instances; True if it is the only one."""
         now_ms = _ms(self._clock.time())
-        alone = await self._link.call(lambda s: s.join(self.instance, now_ms))
+        declares = list(self._jobs)
+        alone = await self._link.call(lambda s: s.join(self.instance, now_ms, declares))
         self._rejoin = False
         return alone
 
@@ -5736,9 +5959,26 @@ class Control:
         """Cancel the unfinished runs of ``name``; how many."""
         return asyncio.run(self.scheduler.cancel(name))
 
+    def forget(self, name: str) -> None:
+        """Delete a job that no running process declares, and its records (``Scheduler.forget``)."""
+        asyncio.run(self.scheduler.forget(name))
+
+    def processes(self) -> list[ProcessInfo]:
+        return asyncio.run(self.scheduler.processes())
+
     def prometheus(self) -> str:
         """Every job's figures in the Prometheus text format (``Scheduler.prometheus``)."""
         return asyncio.run(self.scheduler.prometheus())
+
+    def close(self) -> None:
+        """Close the database (``Scheduler.close``); ``with Control(path) as control:`` does it."""
+        self.scheduler.close()
+
+    def __enter__(self) -> Control:  # noqa: PYI034 - no typing_extensions at run time
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 @dataclasses.dataclass
@@ -6239,34 +6479,115 @@ def _record_json(record: RunRecord) -> dict[str, Any]:
     return fields
 
 
-def _print_status(jobs: list[JobStatus], as_json: bool) -> None:
+def _zone_of(schedule: str) -> _dt.tzinfo:
+    """The zone a job's times are shown in: its cron or rrule zone (the last word of the stored
+    description), else the local zone."""
+    if schedule.startswith(("cron ", "rrule ")):
+        with contextlib.suppress(zoneinfo.ZoneInfoNotFoundError, ValueError):
+            return zoneinfo.ZoneInfo(schedule.rsplit(" ", 1)[-1])
+    return _local_zone()
+
+
+def _when(moment: _dt.datetime | None, zone: _dt.tzinfo) -> str:
+    """A time as ``systemctl list-timers`` shows it: ``Thu 2026-12-03 03:00:00 CET``."""
+    return "-" if moment is None else moment.astimezone(zone).strftime("%a %Y-%m-%d %H:%M:%S %Z")
+
+
+def _span(seconds: float) -> str:
+    """A stretch of time at a glance: ``45s``, ``12min 5s``, ``3h 12min``, ``2d 4h``."""
+    seconds = abs(seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    for unit, size, rest, rest_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
+        if whole >= size:
+            more = whole % size // rest_size
+            return f"{whole // size}{unit}" + (f" {more}{rest}" if more else "")
+    return f"{whole}s"
+
+
+def _table(rows: list[list[str]], below: dict[int, list[str]] | None = None) -> None:
+    """Print rows in columns as wide as their widest cell (the last one as it is), and after row
+    ``n`` the lines ``below[n]``."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for number, row in enumerate(rows):
+        print("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), row[-1]]).rstrip())
+        for line in (below or {}).get(number, ()):
+            print(line)
+
+
+def _print_status(jobs: list[JobStatus], processes: list[ProcessInfo], as_json: bool, utc: bool) -> None:
+    """Every job as ``systemctl list-timers`` shows timers (NEXT, LEFT, LAST, PASSED, RESULT), its
+    running attempts below it, then the processes running on the store."""
     if as_json:
-        print(json.dumps([_status_json(job) for job in jobs], indent=2))
+        shown = {"jobs": [_status_json(job) for job in jobs], "processes": [_process_json(p) for p in processes]}
+        print(json.dumps(shown, indent=2))
         return
-    print(f"{'JOB':<24} {'SCHEDULE':<36} {'NEXT (UTC)':<20} STATE")
+    now = time.time()
+    rows = [["JOB", "STATE", "NEXT", "LEFT", "LAST", "PASSED", "RESULT", "SCHEDULE"]]
+    below: dict[int, list[str]] = {}
     for job in jobs:
-        following = job.next_at.strftime("%Y-%m-%d %H:%M:%S") if job.next_at else "-"
-        print(f"{job.name:<24} {job.schedule[:36]:<36} {following:<20} {'paused' if job.paused else 'active'}")
-        for info in job.runs:
-            age = f"{info.age:.0f}s" if info.age is not None else "-"
-            print(
-                f"    attempt {info.attempt} {info.state} on {info.owner or '-'}, age {age} {_progress_bar(info.progress)}"
-            )
+        zone = _UTC if utc else _zone_of(job.schedule)
+        following = None if job.paused or job.undeclared else job.next_at
+        rows.append(
+            [
+                job.name,
+                job.state,
+                _when(following, zone),
+                "-" if following is None else f"{_span(following.timestamp() - now)} left",
+                _when(job.last_at, zone),
+                "-" if job.last_at is None else f"{_span(now - job.last_at.timestamp())} ago",
+                job.last_status or "-",
+                job.schedule,
+            ]
+        )
+        below[len(rows) - 1] = [
+            f"  attempt {info.attempt} {info.state} on {info.owner or '-'}"
+            + ("" if info.age is None else f" for {_span(info.age)}")
+            + (f" {_progress_bar(info.progress)}" if info.progress else "")
+            for info in job.runs
+        ]
+    _table(rows, below)
+    undeclared = sum(job.undeclared for job in jobs)
+    print(f"\n{len(jobs)} job{'' if len(jobs) == 1 else 's'}" + (f", {undeclared} undeclared" if undeclared else ""))
+    if not processes:
+        print("no scheduler process runs on the store")
+        return
+    print()
+    table = [["PROCESS", "PID", "HOST", "SINCE", "JOBS"]]
+    for process in processes:
+        zone = _UTC if utc else _local_zone()
+        jobs_text = "-" if process.jobs is None else str(process.jobs)
+        table.append(
+            [process.instance, str(process.pid or "-"), process.host or "-", _when(process.started_at, zone), jobs_text]
+        )
+    _table(table)
 
 
 def _status_json(job: JobStatus) -> dict[str, Any]:
     return {
         "name": job.name,
         "schedule": job.schedule,
+        "state": job.state,
         "paused": job.paused,
+        "undeclared": job.undeclared,
         "definition": job.definition,
         "declared_by": job.declared_by,
         "next_at": job.next_at.isoformat() if job.next_at else None,
+        "last": None if job.last_at is None else {"status": job.last_status, "at": job.last_at.isoformat()},
         "runs": [
-            {**dataclasses.asdict(r), "started_at": r.started_at.isoformat() if r.started_at else None}
+            {
+                **dataclasses.asdict(r),
+                "started_at": r.started_at.isoformat() if r.started_at else None,
+                "progress": None if r.progress is None else {"done": r.progress[0], "total": r.progress[1]},
+            }
             for r in job.runs
         ],
     }
+
+
+def _process_json(process: ProcessInfo) -> dict[str, Any]:
+    return {**dataclasses.asdict(process), "started_at": process.started_at.isoformat()}
 
 
 def _print_history(records: list[RunRecord], as_json: bool) -> None:
@@ -6285,6 +6606,100 @@ def _print_history(records: list[RunRecord], as_json: bool) -> None:
         if r.started_at is not None and r.finished_at is not None:
             took = _elapsed((r.finished_at - r.started_at).total_seconds())
         print(f"{r.job:<24} {at:<24} {r.attempt:>3} {r.status:<11} {took:>9} {(r.instance or '-'):<28} {shown}")
+
+
+def _print_records(records: list[RunRecord], as_json: bool) -> None:
+    """Each record whole: its fields, its error and the output stored with it (``show``,
+    ``history --output``)."""
+    if as_json:
+        print(json.dumps([_record_json(r) for r in records], indent=2))
+        return
+    for number, r in enumerate(records):
+        took = "-"
+        if r.started_at is not None and r.finished_at is not None:
+            took = _elapsed((r.finished_at - r.started_at).total_seconds())
+        print(
+            ("\n" if number else "") + f"{r.job}  slot {r.slot} ({r.scheduled_at.isoformat(timespec='milliseconds')})"
+        )
+        print(f"  attempt {r.attempt}: {r.status} on {r.instance or '-'}, took {took}")
+        print(f"  started {_when(r.started_at, _UTC)}, ended {_when(r.finished_at, _UTC)}")
+        for title, text in (("error", r.error), ("output", r.output)):
+            if text:
+                print(f"  {title}:")
+                print("\n".join(f"    {line}" for line in text.rstrip("\n").split("\n")))
+
+
+def _slot(text: str) -> int:
+    """A slot as the command line takes it: milliseconds since the epoch, or an ISO 8601 time
+    (without an offset: UTC)."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        moment = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(f"slot {text!r} is neither milliseconds nor an ISO 8601 time") from None
+    return _ms_from_dt(moment if moment.tzinfo else moment.replace(tzinfo=_UTC))
+
+
+def _show(control: Control, job: str, slot: str | None, as_json: bool) -> None:
+    records = control.history(job, limit=2**31 - 1)
+    if slot is None:
+        chosen = records[:1]
+    else:
+        wanted = _slot(slot)
+        chosen = sorted((r for r in records if r.slot == wanted), key=lambda r: r.attempt)
+    if not chosen:  # (then say whether the job itself exists)
+        if not any(j.name == job for j in control.status()):
+            raise JobNotFound("no such job in the database", job=job)
+        raise ConfigError("no such record" if slot is not None else "no record yet", job=job)
+    _print_records(chosen, as_json)
+
+
+def _schedule_from(description: str, job: str) -> _Schedule:
+    """The schedule a stored description names (``every 1h``, ``cron 0 3 * * * UTC``, ``rrule
+    FREQ=DAILY Europe/Paris``, ``@reboot``): for the command line, which has no declarations."""
+    kind, _, rest = description.partition(" ")
+    if kind == "every":
+        interval, _, offset = rest.partition(" offset ")
+        return _Every(
+            parse_duration(interval, option="every"), parse_duration(offset, option="offset") if offset else 0.0
+        )
+    if kind in ("cron", "rrule"):
+        text, _, zone = rest.rpartition(" ")
+        return _Cron(text, _zone(zone, job), job) if kind == "cron" else _RRule(text, _zone(zone, job), job)
+    if description == _OnStart.description:
+        return _OnStart()
+    raise ConfigError(f"cannot read the stored schedule {description!r}", job=job)
+
+
+def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> None:
+    """The next ``count`` occurrences of each job (as ``systemd-analyze calendar`` lists them)."""
+    now = time.time()
+    shown = []
+    for job in jobs:
+        schedule = _schedule_from(job.schedule, job.name)
+        times: list[_dt.datetime] = []
+        cursor: int | None = _ms(now)
+        while len(times) < count and cursor is not None:
+            cursor = schedule.next_after(cursor)
+            if cursor is not None:
+                times.append(_utc_from_ms(cursor))
+        shown.append((job, times))
+    if as_json:
+        print(json.dumps([{"name": j.name, "state": j.state, "next": [t.isoformat() for t in ts]} for j, ts in shown]))
+        return
+    for number, (job, times) in enumerate(shown):
+        zone = _UTC if utc else _zone_of(job.schedule)
+        state = "" if job.state == "active" else f" ({job.state}: it does not run)"
+        print(("\n" if number else "") + f"{job.name}: {job.schedule}{state}")
+        if job.schedule.startswith("rrule "):
+            print("  (from the stored rule, which keeps no DTSTART: Scheduler.upcoming() in the process is exact)")
+        if not times:
+            print("  never" if job.schedule != _OnStart.description else "  when a group of processes starts")
+        for n, moment in enumerate(times, 1):
+            here, there = _when(moment, zone), _when(moment, _UTC)
+            utc_too = "" if here == there else f"  ({there})"
+            print(f"  {n:>3}  {here}{utc_too}  in {_span(moment.timestamp() - now)}")
 
 
 def _check_crontab(path: str) -> None:
@@ -6480,7 +6895,8 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, text: str) -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=text, parents=[common])
 
-    status = command("status", "every job, its next occurrence and running attempts")
+    status = command("status", "every job (next and last run, result, running attempts) and the running processes")
+    status.add_argument("--utc", action="store_true", help="show times in UTC (default: each job's zone, else local)")
     shown = status.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     shown.add_argument(
@@ -6490,11 +6906,22 @@ def _parser() -> argparse.ArgumentParser:
     history.add_argument("--job", help="only this job's records")
     history.add_argument("--limit", type=int, default=50, help="how many records (default: 50)")
     history.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    history.add_argument("--output", action="store_true", help="print each record whole, with its output and error")
+    show = command("show", "one run's records whole: status, times, error and the output stored with it")
+    show.add_argument("name", help="the job's name")
+    show.add_argument("slot", nargs="?", help="its slot: milliseconds or an ISO 8601 time (default: the newest record)")
+    show.add_argument("--json", action="store_true", help="print a JSON list instead")
+    upcoming = command("next", "the next occurrences of every job, or of one")
+    upcoming.add_argument("name", nargs="?", help="only this job")
+    upcoming.add_argument("-n", type=int, default=1, metavar="N", help="how many occurrences of each (default: 1)")
+    upcoming.add_argument("--utc", action="store_true", help="show times in UTC (default: each job's zone, else local)")
+    upcoming.add_argument("--json", action="store_true", help="print a JSON list instead")
     for name, text in (
         ("trigger", "record a run of a job due now"),
         ("pause", "pause a job's schedule, on every process"),
         ("resume", "resume a job's schedule, on every process"),
         ("cancel", "cancel a job's unfinished runs, on whichever process holds them"),
+        ("forget", "delete a job that no running process declares, and everything recorded of it"),
     ):
         control = command(name, text)
         control.add_argument("name", help="the job's name")
@@ -6536,6 +6963,12 @@ def _command(args: argparse.Namespace) -> int:
         _configure_logging(args.log_level, args.log_format)
     if args.command == "run":
         scheduler = _load_scheduler(args.target)
+        given = args.db if args.db != os.environ.get("ANARCHON_DB") else None  # (on the command line)
+        if given is not None and _same_store(given) != _same_store(scheduler.path):
+            raise ConfigError(
+                f"--db {given}: `run` uses the database its Scheduler names ({scheduler.path}); "
+                "drop --db, or name that database in the module (Scheduler(os.environ['ANARCHON_DB']) reads $ANARCHON_DB)"
+            )
         if scheduler._systemd is None:  # the command line is the service: it talks to systemd
             scheduler._systemd = _Notify(os.environ)
         if args.metrics_file:
@@ -6554,27 +6987,54 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
-    control = Control(args.db, read_only=args.command in ("status", "history"))
+    control = Control(args.db, read_only=args.command in ("status", "history", "show", "next"))
     if args.command == "status" and args.prometheus:
         print(control.prometheus(), end="")
     elif args.command == "status":
-        _print_status(control.status(), args.json)
+        _print_status(control.status(), control.processes(), args.json, args.utc)
+    elif args.command == "history" and args.output:
+        _print_records(control.history(args.job, args.limit), args.json)
     elif args.command == "history":
         _print_history(control.history(args.job, args.limit), args.json)
+    elif args.command == "show":
+        _show(control, args.name, args.slot, args.json)
+    elif args.command == "next":
+        if args.n < 1:
+            raise ConfigError(f"-n {args.n}: give 1 or more")
+        jobs = [j for j in control.status() if args.name in (None, j.name)]
+        if args.name is not None and not jobs:
+            raise JobNotFound("no such job in the database", job=args.name)
+        _print_next(jobs, args.n, args.utc, args.json)
+    elif args.command == "trigger":
+        slot = control.trigger(args.name)
+        _confirm(args.command, args.name, slot, args.json, idle=not control.processes())
     else:
         result = getattr(control, args.command)(args.name)  # trigger: its slot; cancel: how many; else None
         _confirm(args.command, args.name, result, args.json)
     return 0
 
 
-def _confirm(command: str, name: str, result: int | None, as_json: bool) -> None:
-    """One line that says what a control command did."""
+def _same_store(path: str) -> str:
+    """What tells two names of a database apart: a URL as it is, a file by its absolute path."""
+    return path if _is_postgres(path) else os.path.abspath(path)
+
+
+def _confirm(command: str, name: str, result: int | None, as_json: bool, idle: bool = False) -> None:
+    """One line that says what a control command did (``idle``: no process runs on the store)."""
+    later = "no scheduler process runs now: the first to start that declares it runs it"
     if as_json:
         key = {"trigger": "slot", "cancel": "cancelled"}.get(command)
-        print(json.dumps({"command": command, "job": name, **({key: result} if key else {})}))
+        print(
+            json.dumps(
+                {"command": command, "job": name, **({key: result} if key else {}), **({"note": later} if idle else {})}
+            )
+        )
     elif command == "trigger":
         assert result is not None
-        print(f"{name}: triggered, slot {result} ({_utc_from_ms(result).isoformat(timespec='milliseconds')})")
+        at = _utc_from_ms(result).isoformat(timespec="milliseconds")
+        print(f"{name}: triggered, slot {result} ({at})" + (f"; {later}" if idle else ""))
+    elif command == "forget":
+        print(f"{name}: forgotten, with its runs, history and checkpoints")
     elif command == "cancel":
         print(f"{name}: {result} unfinished run{'' if result == 1 else 's'} cancelled")
     else:

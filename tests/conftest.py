@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable
@@ -35,6 +37,20 @@ def wall_clock_ahead(offset: str = "+1h") -> list[str]:
     makes libfaketime stretch every timed wait of the process by the offset)."""
     assert FAKETIME, "libfaketime is required (apt install faketime)"
     return ["env", f"LD_PRELOAD={FAKETIME}", f"FAKETIME={offset}", "FAKETIME_DONT_FAKE_MONOTONIC=1"]
+
+
+def stop_processes(procs: list[subprocess.Popen], signum: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+    """Send ``signum`` to each process still running, wait for each (killed past ``timeout``): every
+    process a test starts is ended and reaped, whatever became of the test."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class ManualClock(anarchon_lite.Clock):

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import QUIET
+from conftest import QUIET, stop_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -46,15 +46,7 @@ class Daemons:
         return proc
 
     def close(self):
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.procs)
 
 
 @pytest.fixture
@@ -76,6 +68,10 @@ def wait_until(predicate, timeout=20.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def status_jobs(db):
+    return json.loads(cli(db, "status", "--json").stdout)["jobs"]
+
+
 def history(db, job=None):
     args = ["history", "--json", "--limit", "1000"] + (["--job", job] if job else [])
     return json.loads(cli(db, *args).stdout)
@@ -89,7 +85,7 @@ def test_two_crontab_processes_run_each_occurrence_once(tmp_path, daemons):
         daemons.start("--db", db, "crontab", str(crontab))
     wait_until(lambda: out.exists() and len(out.read_text().splitlines()) >= 4, what="four runs")
     cli(db, "pause", "tick")  # then no run is in flight when the daemons are stopped
-    wait_until(lambda: not json.loads(cli(db, "status", "--json").stdout)[0]["runs"], what="no run in flight")
+    wait_until(lambda: not status_jobs(db)[0]["runs"], what="no run in flight")
     daemons.close()
     slots = [int(line.split()[0]) for line in out.read_text().splitlines()]
     assert len(slots) == len(set(slots)) and all(s % 1000 == 0 for s in slots)
@@ -177,14 +173,14 @@ def test_status_shows_progress_and_control_from_another_process(tmp_path, daemon
     daemons.procs.append(proc)
     wait_until(lambda: os.path.exists(db) and "work" in cli(db, "status").stdout, what="registered")
     cli(db, "trigger", "work")
-    ticker = {j["name"]: j for j in json.loads(cli(db, "status", "--json").stdout)}["ticker"]
+    ticker = {j["name"]: j for j in status_jobs(db)}["ticker"]
     assert ticker["next_at"] is not None  # known to a process that does not declare the job
     status = wait_until(lambda: "30%" in (out := cli(db, "status").stdout) and out, what="progress bar")
     assert "attempt 1 running" in status
-    runs = {j["name"]: j for j in json.loads(cli(db, "status", "--json").stdout)}["work"]["runs"]
-    assert runs[0]["progress"] == [3.0, 10.0]
+    runs = {j["name"]: j for j in status_jobs(db)}["work"]["runs"]
+    assert runs[0]["progress"] == {"done": 3.0, "total": 10.0}
     cli(db, "pause", "ticker")
-    assert {j["name"]: j for j in json.loads(cli(db, "status", "--json").stdout)}["ticker"]["paused"]
+    assert {j["name"]: j for j in status_jobs(db)}["ticker"]["paused"]
     time.sleep(1.5)  # a paused job does not run: look at the history after more than one interval
     count = len(history(db, "ticker"))
     time.sleep(1.5)
@@ -202,7 +198,7 @@ def test_reboot_runs_once_per_start_of_the_group(tmp_path, daemons):
     crontab.write_text(f"@reboot echo $ANARCHON_SLOT >> {out}\n")
     first = [daemons.start("--db", db, "crontab", str(crontab)) for _ in range(2)]
     wait_until(lambda: out.exists() and out.read_text().strip(), what="the @reboot entry")
-    wait_until(lambda: len(json.loads(cli(db, "status", "--json").stdout)) == 1, what="status")
+    wait_until(lambda: len(status_jobs(db)) == 1, what="status")
     time.sleep(1.0)  # the second process is running too: it must not run the entry again
     assert len(out.read_text().splitlines()) == 1
     daemons.close()
@@ -309,7 +305,7 @@ def test_status_and_history_work_in_a_read_only_directory(tmp_path):
             os.chmod(directory, 0o500)
         else:
             assert make_read_only.returncode == 0
-        status = json.loads(cli(db, "status", "--json").stdout)
+        status = status_jobs(db)
         assert [j["name"] for j in status] == ["once"] and status[0]["runs"][0]["state"] == "pending"
         assert cli(db, "history").returncode == 0
         assert sorted(os.listdir(directory)) == ["jobs.db"]
@@ -369,6 +365,10 @@ def test_command_line_mistakes_are_one_line(tmp_path):
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.startswith("anarchon-lite") and done.stderr.count("\n") == 1, done.stderr
         assert expected in done.stderr, done.stderr
+    write_jobs(tmp_path, db, "")
+    other = anarchon("--db", str(tmp_path / "other.db"), "run", "myjobs:scheduler", cwd=tmp_path)
+    assert other.returncode == 2 and "`run` uses the database its Scheduler names" in other.stderr, other.stderr
+    assert other.stderr.count("\n") == 1 and not (tmp_path / "other.db").exists()
 
 
 def test_options_before_or_after_the_command_and_each_control_command_says_what_it_did(tmp_path):
@@ -417,7 +417,7 @@ def marks(path):
 
 
 def owner_pid(db, job):
-    runs = {j["name"]: j for j in json.loads(cli(db, "status", "--json").stdout)}[job]["runs"]
+    runs = {j["name"]: j for j in status_jobs(db)}[job]["runs"]
     return int(runs[0]["owner"].split("-")[-2]) if runs and runs[0]["state"] == "running" else None
 
 
@@ -590,3 +590,48 @@ def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(tmp_pat
     assert "# TYPE anarchon_job_runs_total counter" in printed
     job_lines = [line for line in metrics.read_text().splitlines() if "lease_renewal" not in line]
     assert [line for line in printed.splitlines() if "lease_renewal" not in line] == job_lines
+
+
+def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forgotten(tmp_path, daemons):
+    """``status`` shows NEXT, LEFT, LAST, PASSED and RESULT per job and the running processes;
+    ``show`` and ``history --output`` print a run's whole output; ``next -n`` lists occurrences.
+    An entry removed from the crontab (SIGHUP) becomes ``undeclared``: ``trigger`` refuses it,
+    ``forget`` removes it (and refuses a job a running process declares)."""
+    db, crontab = str(tmp_path / "jobs.db"), tmp_path / "crontab"
+    entries = "# name: greet\n0 3 * * * echo hello; echo world\n"
+    crontab.write_text(entries + "# name: other\n30 4 * * * true\n")
+    proc = daemons.start("--db", db, "crontab", str(crontab))
+    wait_until(lambda: os.path.exists(db) and status_jobs(db)[-1]["name"] == "other", what="registered")
+    cli(db, "trigger", "greet")
+    wait_until(lambda: [r for r in history(db, "greet") if r["status"] == "succeeded"], what="greet to run")
+    table = cli(db, "status", "--utc").stdout
+    header, greet_row = (
+        table.splitlines()[0].split(),
+        next(line for line in table.splitlines() if line.startswith("greet")),
+    )
+    assert header[:7] == ["JOB", "STATE", "NEXT", "LEFT", "LAST", "PASSED", "RESULT"]
+    assert "03:00:00 UTC" in greet_row and "left" in greet_row and "ago" in greet_row and "succeeded" in greet_row
+    assert "PROCESS" in table and f" {proc.pid} " in table
+    shown = cli(db, "show", "greet").stdout
+    assert "succeeded" in shown and "    hello\n    world" in shown
+    assert "    world" in cli(db, "history", "--output", "--job", "greet").stdout
+    upcoming = cli(db, "next", "greet", "-n", "3", "--utc").stdout.splitlines()
+    assert upcoming[0].startswith("greet: cron 0 3 * * *") and len(upcoming) == 4
+    assert all("03:00:00 UTC" in line for line in upcoming[1:])
+
+    crontab.write_text(entries)
+    proc.send_signal(signal.SIGHUP)
+    jobs = wait_until(
+        lambda: (jobs := {j["name"]: j for j in status_jobs(db)})["other"]["state"] == "undeclared" and jobs,
+        what="other to be undeclared",
+    )
+    assert jobs["greet"]["state"] == "active"
+    refused = cli(db, "trigger", "other", check=False)
+    assert refused.returncode == 2 and "no running process declares it" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    kept = cli(db, "forget", "greet", check=False)
+    assert kept.returncode == 2 and "declares it" in kept.stderr
+    assert cli(db, "forget", "other").stdout.strip() == "other: forgotten, with its runs, history and checkpoints"
+    assert [j["name"] for j in status_jobs(db)] == ["greet"]
+    daemons.close()
+    assert "no scheduler process runs on the store" in cli(db, "status").stdout

@@ -320,6 +320,41 @@ def replaced(caplog, db):
     return any(db in r.getMessage() and "replaced" in r.getMessage() for r in caplog.records)
 
 
+def test_a_file_of_the_previous_version_is_read_by_status_without_being_migrated(db):
+    """``status`` (read-only) of the new release on a file of the release before it, whose
+    processes still run: it reads it as it is, tells nothing undeclared (those processes record no
+    declarations), and leaves the version alone."""
+    from anarchon_lite import Control
+
+    async def make_one():
+        s = make(db)
+        s.every("export", "24h", lambda ctx: None)
+        async with s:
+            await s.trigger("export")
+            await wait_for(lambda: finished(s, "export"), message="a record")
+
+    run(make_one())
+    conn = sqlite3.connect(db, isolation_level=None)
+    for statement in (  # (what version 6 added, undone: a file of version 5)
+        "DROP TABLE declarations",
+        "ALTER TABLE instances DROP COLUMN host",
+        "ALTER TABLE instances DROP COLUMN declares",
+        "INSERT INTO instances (instance, pid, start, namespace, boot_id, started_at) VALUES ('old', ?, NULL, NULL, NULL, 0)",
+        "PRAGMA user_version = 5",
+    ):
+        conn.execute(statement, (os.getpid(),) if "?" in statement else ())
+    conn.close()
+    with Control(db, read_only=True) as control:
+        (job,) = control.status()
+        assert (job.name, job.state, job.last_status) == ("export", "active", "succeeded")
+        assert [(p.instance, p.jobs) for p in control.processes()] == [("old", None)]
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+    finally:
+        conn.close()
+
+
 def test_a_file_of_the_previous_schema_is_migrated_in_place(db, caplog):
     """A file written by schema version 1, with a job, its history and a checkpoint, is migrated to
     the current version by the first scheduler that opens it; everything in it is kept."""

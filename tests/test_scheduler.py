@@ -1130,6 +1130,82 @@ def test_calls_outside_a_run_leave_no_thread_or_connection_behind(db):
     run(main())
 
 
+def test_jobs_no_running_process_declares_are_undeclared_refused_and_forgotten(db):
+    """A job is ``undeclared`` once no running process declares it (its last declarer stopped):
+    ``trigger`` refuses it, ``forget`` deletes it and its records; a declared one is not
+    forgotten. With no process running at all nothing can be told: a trigger is kept for later."""
+    from anarchon_lite import ProcessInfo
+
+    async def main():
+        both, one = make(db), make(db)
+        for name in ("shared", "gone"):
+            both.every(name, "24h", lambda ctx: None, offset=QUIET)
+        one.every("shared", "24h", lambda ctx: None, offset=QUIET)
+        async with one:
+            async with both:
+                await both.trigger("gone")
+                await wait_for(lambda: has(one, "gone", "succeeded"), message="gone to run")
+                assert {j.name: j.state for j in await one.status()} == {"gone": "active", "shared": "active"}
+                assert sorted(p.instance for p in await one.processes()) == sorted([both.instance, one.instance])
+            processes = await one.processes()
+            assert [(p.instance, p.jobs) for p in processes] == [(one.instance, 1)]
+            assert isinstance(processes[0], ProcessInfo)
+            status = {j.name: j for j in await one.status()}
+            assert status["gone"].state == "undeclared" and status["shared"].state == "active"
+            assert status["gone"].last_status == "succeeded" and status["gone"].last_at is not None
+            with pytest.raises(ConfigError, match="no running process declares it"):
+                await one.trigger("gone")
+            with pytest.raises(ConfigError, match="declares it"):
+                await one.forget("shared")
+            await one.forget("gone")
+            assert [j.name for j in await one.status()] == ["shared"]
+            assert await one.history("gone") == []
+            with pytest.raises(JobNotFound):
+                await one.forget("gone")
+        assert await one.processes() == []
+        assert (await one.status())[0].state == "active"
+        await one.trigger("shared")  # (no process runs: the first to start runs it)
+
+    run(main())
+
+
+def test_close_stops_a_thread_scheduler_and_leaves_no_thread_or_file_open(db):
+    """``close()`` ends a scheduler started in a thread and its store's thread and connection
+    (a Flask app's teardown); ``Control`` closes as a context manager; a scheduler running on the
+    caller's loop refuses to be closed under it."""
+    import os
+
+    from anarchon_lite import Control
+
+    def anarchon_threads():
+        return [t.name for t in threading.enumerate() if t.name.startswith("anarchon")]
+
+    def open_files():
+        if not db.endswith(".db"):
+            return []
+        where = "/proc/self/fd"
+        return [os.readlink(f"{where}/{fd}") for fd in os.listdir(where) if os.path.exists(f"{where}/{fd}")]
+
+    s = make(db)
+    s.every("job", "24h", lambda ctx: None, offset=QUIET)
+    s.start_in_thread()
+    with Control(db) as control:
+        assert [j.name for j in control.status()] == ["job"]
+    s.close()
+    assert anarchon_threads() == []
+    assert not [f for f in open_files() if f.startswith(db)]
+    s.close()  # (twice: nothing left to do)
+
+    async def main():
+        async with s:
+            with pytest.raises(ConfigError, match="stop"):
+                s.close()
+
+    run(main())
+    s.close()
+    assert anarchon_threads() == []
+
+
 @pytest.mark.sqlite_only  # (the scheduler's part: with poll= it looks every 20 ms on SQLite)
 def test_a_look_computes_a_jobs_next_occurrence_once_per_watermark(db):
     """Each look asks every job when it is next due; a cron schedule computes that once per
@@ -1241,19 +1317,35 @@ def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed
     run(main())
 
 
-def test_decorated_handlers_keep_their_types_for_mypy(tmp_path):
-    """every/cron/rrule, as decorators and as calls, give the handler back with its type (overloads),
-    and the names a user script needs are exported: mypy --strict finds nothing in such a script,
-    not even with --disallow-any-decorated."""
+def test_the_installed_wheel_is_typed_and_decorated_handlers_keep_their_types(tmp_path):
+    """The wheel installs a typed package (py.typed), so mypy --strict on a user script sees the
+    library's types: every/cron/rrule, as decorators and as calls, give the handler back with its
+    type (overloads), and the names a user script needs are exported (not even
+    --disallow-any-decorated finds anything). The script is checked against the wheel built from
+    this checkout and installed, not against the source file."""
     pytest.importorskip("mypy")  # (not installable on Python 3.9: pyproject's test extra skips it there)
     import os
+    import shutil
     import subprocess
     import sys
+    import zipfile
     from pathlib import Path
 
-    import anarchon_lite
-
-    (tmp_path / "user.py").write_text(
+    root = Path(__file__).resolve().parent.parent
+    source = tmp_path / "source"  # (a copy: building in the checkout would leave build/ and egg-info there)
+    source.mkdir()
+    for name in ("pyproject.toml", "anarchon_lite.py", "README.md", "LICENSE"):
+        shutil.copy(root / name, source / name)
+    shutil.copytree(root / "wheel", source / "wheel", symlinks=True)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)], check=True)
+    (wheel,) = tmp_path.glob("anarchon_lite-*.whl")
+    assert "anarchon_lite/py.typed" in zipfile.ZipFile(wheel).namelist()
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "user.py").write_text(
         "import asyncio\n"
         "from anarchon_lite import Checkpoint, RunContext, Scheduler\n"
         "scheduler = Scheduler('jobs.db')\n\n"
@@ -1270,17 +1362,29 @@ def test_decorated_handlers_keep_their_types_for_mypy(tmp_path):
         "same = scheduler.rrule('report', 'FREQ=DAILY', report)\n"
         "count: int = asyncio.run(export(ctx=None))  # type: ignore[arg-type]\n"
         "name: str = backup(ctx=None)  # type: ignore[arg-type]\n"
+        "scheduler.close()\n"
+        "wrong: str = scheduler.instance + 1  # type: ignore[operator]\n"
     )
+    env = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")}
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--disallow-any-decorated", "--warn-unused-ignores", "user.py"],
-        cwd=tmp_path,
-        env={**os.environ, "MYPYPATH": str(Path(anarchon_lite.__file__).parent)},
+        cwd=user,  # (no anarchon_lite.py beside it: mypy must find the installed package)
+        env={**env, "PYTHONPATH": str(site)},
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    imported = subprocess.run(
+        [sys.executable, "-c", "import anarchon_lite; print(anarchon_lite.__file__)"],
+        cwd=user,
+        env={**env, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert imported.stdout.strip() == str(site / "anarchon_lite" / "__init__.py")
 
 
 def test_sync_code_runs_the_scheduler_in_a_thread_and_steers_it_with_control(db):

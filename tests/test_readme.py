@@ -1,0 +1,151 @@
+"""The README and docs/: contents that match the sections, links that lead somewhere, the hello
+world that runs as shown, and every shell command shown run by a test or by .ci/run."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import stop_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# Each shell command the documents show, and what runs it (a test, or .ci/run).
+COMMANDS = {
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -q . && python examples/export.py demo": (
+        "tests/test_recipe.py::test_the_demo_hands_the_export_over_and_exports_each_customer_once"
+    ),
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -q '.[test]' && python -m pytest -q": ".ci/run",
+    "pip install anarchon_lite": ".ci/run (pip install of the project)",
+    "anarchon-lite crontab --check /etc/anarchon/crontab": "tests/test_readme.py::test_the_crontab_shown_checks_and_runs",
+    "anarchon-lite --db /var/lib/anarchon/jobs.db crontab /etc/anarchon/crontab": (
+        "tests/test_readme.py::test_the_crontab_shown_checks_and_runs"
+    ),
+    "python examples/hello.py": "tests/test_readme.py::test_the_hello_world_runs_each_occurrence_once_in_two_processes",
+    "pip install 'anarchon_lite[postgres]'": ".ci/run (the test extra holds psycopg)",
+    "anarchon-lite --db postgresql://app@db.internal/app status": (
+        "tests/test_postgres.py::test_the_command_line_works_on_a_url"
+    ),
+}
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def prose(path: Path) -> str:
+    """The document without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+
+
+def headings(path: Path) -> list[str]:
+    return [line[3:] for line in prose(path).splitlines() if line.startswith("## ")]
+
+
+def code_blocks(path: Path, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+
+
+def test_the_contents_list_every_section_in_order():
+    readme = ROOT / "README.md"
+    listed = re.findall(
+        r"^- \[([^\]]+)\]\(#([^)]+)\)$", prose(readme).split("## Contents", 1)[1].split("\n## ")[0], re.MULTILINE
+    )
+    sections = [h for h in headings(readme) if h != "Contents"]
+    assert [title for title, _ in listed] == sections
+    assert [target for _, target in listed] == [anchor(h) for h in sections]
+
+
+def test_every_link_leads_to_a_file_and_section_in_the_repository():
+    broken = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(path)):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, section = target.partition("#")
+            where = (path.parent / file).resolve() if file else path
+            if not where.exists():
+                broken.append(f"{path.name}: {target} (no such file)")
+            elif section and section not in {anchor(h) for h in headings(where)}:
+                broken.append(f"{path.name}: {target} (no such section)")
+    assert broken == []
+
+
+def test_every_shell_command_shown_is_one_a_test_or_ci_runs():
+    shown = []
+    for path in DOCS:
+        for block in code_blocks(path, "sh"):
+            shown += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert sorted(set(shown) - set(COMMANDS)) == []
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q" in ci
+
+
+def test_the_hello_world_runs_each_occurrence_once_in_two_processes(tmp_path):
+    """The README shows examples/hello.py whole; two copies of it print each occurrence once."""
+    source = (ROOT / "examples" / "hello.py").read_text()
+    assert source.rstrip("\n") in code_blocks(ROOT / "README.md", "python")[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    logs = [tmp_path / f"hello-{n}.log" for n in range(2)]
+    procs = []
+    try:
+        for log in logs:
+            with open(log, "w") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(ROOT / "examples" / "hello.py")], cwd=tmp_path, stdout=out, env=env
+                    )
+                )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = [line for log in logs for line in log.read_text().splitlines() if line.startswith("hello from")]
+            if len(lines) >= 4:
+                break
+            time.sleep(0.1)
+        assert len(lines) >= 4, lines
+    finally:
+        stop_processes(procs, signal.SIGINT)
+    lines = [line for log in logs for line in log.read_text().splitlines() if line.startswith("hello from")]
+    occurrences = [line.rsplit(" ", 1)[-1] for line in lines]
+    assert len(occurrences) == len(set(occurrences)), lines
+    assert all(proc.returncode == 0 for proc in procs)
+
+
+def test_the_crontab_shown_checks_and_runs(tmp_path):
+    """The README's crontab (the "After" one) passes --check with both entries, and a crontab
+    process runs it on a file of its own (joined, both jobs registered) and stops cleanly."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    after = readme.split("After (the same file", 1)[1].split("```\n", 1)[1].split("```", 1)[0]
+    crontab = tmp_path / "crontab"
+    crontab.write_text(after)
+    command = [sys.executable, "-m", "anarchon_lite"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    checked = subprocess.run(
+        [*command, "crontab", "--check", str(crontab)], capture_output=True, text=True, env=env, check=False
+    )
+    assert checked.returncode == 0 and "2 entries, no errors" in checked.stdout, checked.stderr
+    db = str(tmp_path / "jobs.db")
+    with open(tmp_path / "crontab.log", "w") as log:
+        proc = subprocess.Popen([*command, "--db", db, "crontab", str(crontab)], stdout=log, stderr=log, env=env)
+    try:
+        deadline, names = time.monotonic() + 30, []
+        while time.monotonic() < deadline and names != ["backup", "sync-orders"]:
+            time.sleep(0.1)
+            done = subprocess.run(
+                [*command, "--db", db, "status", "--json"], capture_output=True, text=True, env=env, check=False
+            )
+            if done.returncode == 0:
+                status = json.loads(done.stdout)
+                names = [job["name"] for job in status["jobs"]] if status["processes"] else []
+        assert names == ["backup", "sync-orders"]
+    finally:
+        stop_processes([proc])
+    assert proc.returncode == 0, (tmp_path / "crontab.log").read_text()

@@ -1,0 +1,1 @@
+../../anarchon_lite.py
