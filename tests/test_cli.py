@@ -402,10 +402,13 @@ def test_options_before_or_after_the_command_and_each_control_command_says_what_
     assert command("pause", "tick", "--db", db) == "tick: paused on every process"
     assert json.loads(command("--db", db, "resume", "tick", "--json")) == {"command": "resume", "job": "tick"}
     assert command("cancel", "tick", "--db", db) == "tick: 2 unfinished runs cancelled"
-    for name in ("status", "history", "trigger", "run", "crontab"):
+    for name in ("status", "history", "show", "next", "trigger", "forget", "run", "crontab"):
         text = command(name, "--help")
         assert "--db" in text and "--log-format" in text
-        options = [line for line in text.splitlines() if line.strip().startswith("--")]
+        # (the options listed, not the usage lines above them, which wrap where they must; "optional
+        # arguments:" on Python 3.9)
+        listed = re.split(r"^(?:options|optional arguments):$", text, maxsplit=1, flags=re.M)[1]
+        options = [line for line in listed.splitlines() if line.strip().startswith("-")]
         assert all(len(line.split(None, 2)) >= 2 for line in options), f"an option of {name} without help: {options}"
 
 

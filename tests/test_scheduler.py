@@ -695,7 +695,11 @@ def test_bad_declarations():
     assert info.value.option == "timeout"
     with pytest.raises(ConfigError):
         s.every("u", "1h", lambda ctx: None, retries=-1)
-    assert set(s._jobs) == {"dup"}
+    s.every("ok", "1h", lambda ctx: None, retries=1)  # (options are read once per set of values:
+    with pytest.raises(ConfigError) as info:  # True equals 1, and is no count)
+        s.every("t", "1h", lambda ctx: None, retries=True)
+    assert (info.value.job, info.value.option) == ("t", "retries")
+    assert set(s._jobs) == {"dup", "ok"}
 
 
 def test_decorator_and_call_forms():
