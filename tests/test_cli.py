@@ -407,7 +407,7 @@ def test_options_before_or_after_the_command_and_each_control_command_says_what_
         assert "--db" in text and "--log-format" in text
         # (the options listed, not the usage lines above them, which wrap where they must; "optional
         # arguments:" on Python 3.9)
-        listed = re.split(r"^(?:options|optional arguments):$", text, maxsplit=1, flags=re.M)[1]
+        listed = re.split(r"^(?:options|optional arguments):$", text, maxsplit=1, flags=re.MULTILINE)[1]
         options = [line for line in listed.splitlines() if line.strip().startswith("-")]
         assert all(len(line.split(None, 2)) >= 2 for line in options), f"an option of {name} without help: {options}"
 
