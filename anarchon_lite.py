@@ -6712,7 +6712,11 @@ def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> 
     now, local = time.time(), _local_zone()
     shown = []
     for job in jobs:
-        schedule = _schedule_from(job.schedule, job.name)
+        try:
+            schedule = _schedule_from(job.schedule, job.name)
+        except ConfigError as exc:  # (that job's alone: say why, and list the others)
+            print(f"anarchon-lite: {exc}", file=sys.stderr)
+            continue
         times: list[_dt.datetime] = []
         cursor: int | None = _ms(now)
         while len(times) < count and cursor is not None:
