@@ -5598,6 +5598,9 @@ class Scheduler:
             self.stop_thread()
         elif self._main is not None and not self._main.done():
             raise ConfigError("this scheduler is running: stop() it before close()")
+        for thread in (self._heartbeats, self._runner._timers):  # (told to stop by the run's end)
+            if thread is not None and thread.is_alive():
+                thread.join(10.0)
         self._link.close(wait=True)
 
     def _poke(self) -> None:
