@@ -5598,6 +5598,9 @@ class Scheduler:
             self.stop_thread()
         elif self._main is not None and not self._main.done():
             raise ConfigError("this scheduler is running: stop() it before close()")
+        for thread in (self._heartbeats, self._runner._timers):  # (told to stop by the run's end)
+            if thread is not None and thread.is_alive():
+                thread.join(10.0)
         self._link.close(wait=True)
 
     def _poke(self) -> None:
@@ -6712,7 +6715,11 @@ def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> 
     now, local = time.time(), _local_zone()
     shown = []
     for job in jobs:
-        schedule = _schedule_from(job.schedule, job.name)
+        try:
+            schedule = _schedule_from(job.schedule, job.name)
+        except ConfigError as exc:  # (that job's alone: say why, and list the others)
+            print(f"anarchon-lite: {exc}", file=sys.stderr)
+            continue
         times: list[_dt.datetime] = []
         cursor: int | None = _ms(now)
         while len(times) < count and cursor is not None:

@@ -638,3 +638,26 @@ def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forg
     assert [j["name"] for j in status_jobs(db)] == ["greet"]
     daemons.close()
     assert "no scheduler process runs on the store" in cli(db, "status").stdout
+
+
+def test_next_lists_every_job_it_can_and_names_one_whose_stored_schedule_it_cannot_read(tmp_path):
+    """A job declared with a fixed-offset zone is stored as ``cron 0 3 * * * UTC+02:00``: ``next``
+    cannot rebuild it, says so for that job, and still lists the others."""
+    db = str(tmp_path / "jobs.db")
+
+    async def declare():
+        import datetime
+
+        from anarchon_lite import Scheduler
+
+        s = Scheduler(db)
+        s.every("tick", "24h", lambda ctx: None, offset=QUIET)
+        s.cron("offset", "0 3 * * *", lambda ctx: None, tz=datetime.timezone(datetime.timedelta(hours=2)))
+        await s.status()
+
+    import asyncio
+
+    asyncio.run(declare())
+    done = cli(db, "next", check=False)
+    assert done.returncode == 0 and done.stdout.startswith("tick: every 1d"), done.stderr
+    assert "job 'offset'" in done.stderr and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -1134,6 +1134,39 @@ def test_calls_outside_a_run_leave_no_thread_or_connection_behind(db):
     run(main())
 
 
+@pytest.mark.sqlite_only  # (the file's connections: what Python 3.13 warns of when one is left unclosed)
+def test_a_web_app_s_calls_then_close_leave_nothing_unclosed_under_dev_mode(db):
+    """Under ``-X dev`` with ResourceWarning an error: a scheduler started in a thread, control
+    calls, ``close()``, and the interpreter's exit print no warning and exit 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import anarchon_lite as al\n"
+        f"s = al.Scheduler({db!r})\n"
+        "s.every('job', '24h', lambda ctx: None)\n"
+        "s.start_in_thread()\n"
+        f"with al.Control({db!r}) as control:\n"
+        "    control.trigger('job')\n"
+        "    assert [j.name for j in control.status()] == ['job']\n"
+        f"assert [j.name for j in al.Control({db!r}, read_only=True).status()] == ['job']\n"
+        "s.close()\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": root},
+        cwd=root,
+        check=False,
+    )
+    assert done.returncode == 0 and "Warning" not in done.stderr, done.stderr
+
+
 def test_jobs_no_running_process_declares_are_undeclared_refused_and_forgotten(db):
     """A job is ``undeclared`` once no running process declares it (its last declarer stopped):
     ``trigger`` refuses it, ``forget`` deletes it and its records; a declared one is not
