@@ -604,7 +604,12 @@ def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forg
     entries = "# name: greet\n0 3 * * * echo hello; echo world\n"
     crontab.write_text(entries + "# name: other\n30 4 * * * true\n")
     proc = daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and status_jobs(db)[-1]["name"] == "other", what="registered")
+
+    def registered():  # (the file may exist a moment before its schema and its jobs)
+        done = cli(db, "status", "--json", check=False)
+        return done.returncode == 0 and [j["name"] for j in json.loads(done.stdout)["jobs"]] == ["greet", "other"]
+
+    wait_until(registered, what="registered")
     cli(db, "trigger", "greet")
     wait_until(lambda: [r for r in history(db, "greet") if r["status"] == "succeeded"], what="greet to run")
     table = cli(db, "status", "--utc").stdout
