@@ -20,7 +20,7 @@ COMMANDS = {
         "tests/test_recipe.py::test_the_demo_hands_the_export_over_and_exports_each_customer_once"
     ),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -q '.[test]' && python -m pytest -q": ".ci/run",
-    "pip install anarchon_lite": ".ci/run (pip install of the project)",
+    "pip install .": ".ci/run (pip install of the project, as every environment is made)",
     "anarchon-lite crontab --check /etc/anarchon/crontab": "tests/test_readme.py::test_the_crontab_shown_checks_and_runs",
     "anarchon-lite --db /var/lib/anarchon/jobs.db crontab /etc/anarchon/crontab": (
         "tests/test_readme.py::test_the_crontab_shown_checks_and_runs"
