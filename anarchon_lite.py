@@ -4641,6 +4641,13 @@ class _Runner:
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=1.0)
 
+    def join_threads(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds each) for the heartbeat and timer threads of the last
+        run to end: its end told them to stop."""
+        for thread in (self._heartbeats, self._timers):
+            if thread is not None and thread.is_alive():
+                thread.join(timeout)
+
     def longest_drain(self) -> float:
         """The seconds ``drain()`` takes at most."""
         return self.grace + 0.1 + _HURRIED + 1.0
@@ -5598,9 +5605,7 @@ class Scheduler:
             self.stop_thread()
         elif self._main is not None and not self._main.done():
             raise ConfigError("this scheduler is running: stop() it before close()")
-        for thread in (self._heartbeats, self._runner._timers):  # (told to stop by the run's end)
-            if thread is not None and thread.is_alive():
-                thread.join(10.0)
+        self._runner.join_threads(10.0)
         self._link.close(wait=True)
 
     def _poke(self) -> None:
