@@ -908,9 +908,11 @@ class _RunRow:
     boot_id: str | None
     lease_until: float | None
     cancel: bool
-    progress_done: float | None
-    progress_total: float | None
+    # (progress is no part of a compare-and-set: the lease board may have newer figures than the file)
+    progress_done: float | None = dataclasses.field(compare=False)
+    progress_total: float | None = dataclasses.field(compare=False)
     started_at: int | None
+    lease: float | None = dataclasses.field(default=None, compare=False)  # the lease's length, seconds
     # Seconds the lease had left when the row was read, on the store's lease clock (not a column;
     # not part of a compare-and-set): the scheduler ages it by its own elapsed time since the read.
     lease_left: float | None = dataclasses.field(default=None, compare=False)
@@ -1097,10 +1099,13 @@ class _Store(abc.ABC):
         max_attempts: int,
         skip_if_busy: bool,
         reason: str = "",
+        owner_gone: bool = False,
     ) -> _Claim | None:
-        """Claim a pending run, or take over a running one whose owner is gone (``reason`` says
-        why), for ``lease`` seconds. A compare-and-set on the whole row as the caller saw it: if the
-        owner renewed, or another process claimed first, nothing is written and None returned. A
+        """Claim a pending run, or take over a running one whose owner is gone or whose lease ran
+        out (``reason`` says why; ``owner_gone``: the owner is known to have ended, so its lease
+        no longer counts), for ``lease`` seconds. A compare-and-set on the whole row as the caller
+        saw it: if the owner renewed, or another process claimed first, nothing is written and None
+        returned. A
         takeover records the previous attempt ``interrupted``; past ``max_attempts`` the run is
         ``failed`` for good, a cancelled one ``cancelled``; under ``skip_if_busy`` an occurrence that
         has not started while another run of the job is unfinished is ``skipped``."""
@@ -1381,7 +1386,7 @@ _SQL_SET_PAUSED = (
 )
 _SQL_RUN_COLUMNS = (
     "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
-    "lease_until, cancel, progress_done, progress_total, started_at"
+    "lease_until, cancel, progress_done, progress_total, started_at, lease"
 )
 _SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
 _SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock() FROM runs ORDER BY job, slot"
@@ -1638,10 +1643,13 @@ class _SQLStore(_Store):
         max_attempts: int,
         skip_if_busy: bool,
         reason: str = "",
+        owner_gone: bool = False,
     ) -> _Claim | None:
         def work(conn: Any) -> _Claim | None:
             rows = conn.execute(_SQL_RUN, (expected.job, expected.slot)).fetchall()
             if not rows or _run_row(rows[0]) != expected:
+                return None
+            if expected.state == "running" and not owner_gone and self._leased_elsewhere(expected):
                 return None
             job, slot, attempt = expected.job, expected.slot, expected.attempt
             if expected.state == "running":
@@ -1659,6 +1667,10 @@ class _SQLStore(_Store):
             return self._take(conn, job, slot, owner, lease, now_ms)
 
         return self._write(work)
+
+    def _leased_elsewhere(self, run: _RunRow) -> bool:
+        """Whether ``run``'s lease still holds by what the row does not show (SQLite's lease board)."""
+        return False
 
     def _skip(self, conn: Any, job: str, slot: int, owner: str, now_ms: int) -> None:
         conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner, None, now_ms, "an earlier run is unfinished"))
@@ -2044,6 +2056,24 @@ def _group_alive(record: str, me: _Owner) -> bool | None:
     return int(leader[2]) != pgid  # the pid is another process's now; group pgid is ours unless it leads it
 
 
+def _switch_to_wal(conn: sqlite3.Connection, path: str, timeout: float) -> None:
+    """Put the file in WAL mode. While another process is switching a new file, the switch fails at
+    once (no busy handler for it), so it is retried for up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
+        except sqlite3.OperationalError as exc:
+            if not _is_busy(exc):
+                raise
+            mode = "busy"
+        if mode == "wal":
+            return
+        if time.monotonic() > deadline:
+            raise StoreError(path, f"cannot switch to WAL mode (got {mode})")
+        _pause(0.01)
+
+
 def _this_owner(instance: str) -> _Owner:
     pid = os.getpid()
     started = _process_start(pid)
@@ -2077,6 +2107,192 @@ def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
     return None
 
 
+# The lease board: what lives only while the processes live (leases renewed, progress), kept in a
+# small SQLite file on a RAM filesystem (``/dev/shm``; ``$ANARCHON_BOARD_DIR`` names another
+# directory, an empty value none), one per database file and boot. A lease renewal written there
+# costs the database file nothing: a power cut ends every owner anyway, and the boot id voids their
+# runs. The durable file keeps what must survive: claims (with their first lease), ends, checkpoints.
+#
+# Who may renew there, and who must still renew in the file: a process renews on the board only
+# while every process recorded in the file (``instances``) is a member of the same board, itself
+# included; a process enrols before its join commits. A process that cannot see this board (a
+# container with its own /dev/shm, no board at all, an older version) is not a member, so while it
+# runs every owner renews in the file. It may have joined after an owner's last look: it then holds
+# every run of an owner not on its own board as leased until its join + that run's lease, because
+# a renewal on the board lasts the lease from the instant before the owner read the file.
+#
+# Takeover against a renewal: an owner's renewal on the board counts only if it committed before
+# the lease it held ran out (the board's lease or the file's, read before the write, on the shared
+# monotonic clock); a taker reads the clock, then the lease, and takes over only when the lease
+# ended before that reading. A renewal committed after the taker read the board finished after that
+# lease ran out, so it does not count: the owner renews in the file instead, where the claim's
+# compare-and-set decides between them. Readers never wait (WAL), so a process frozen in the middle
+# of a write never stops a takeover; writers that find the board locked renew in the file.
+_BOARD_DIR = "/dev/shm"
+_NEVER = float("-inf")
+_BOARD_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS members (
+        instance TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        start INTEGER,
+        namespace TEXT,
+        PRIMARY KEY (instance, pid)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS leases (
+        job TEXT NOT NULL,
+        slot INTEGER NOT NULL,
+        attempt INTEGER NOT NULL,
+        owner TEXT NOT NULL,
+        until REAL NOT NULL,
+        progress_done REAL,
+        progress_total REAL,
+        PRIMARY KEY (job, slot, attempt)
+    ) WITHOUT ROWID""",
+)
+_SQL_ENROL = "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (?, ?, ?, ?)"
+_SQL_MEMBERS = "SELECT instance, pid, start, namespace FROM members"
+_SQL_BOARD_LEASE = "SELECT until FROM leases WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
+_SQL_BOARD_RENEW = (
+    "INSERT INTO leases (job, slot, attempt, owner, until) VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) "
+    "DO UPDATE SET until = max(leases.until, excluded.until) WHERE leases.owner = excluded.owner"
+)
+_SQL_BOARD_PROGRESS = (
+    "UPDATE leases SET progress_done = ?, progress_total = ? WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
+)
+_SQL_BOARD_LEASES = "SELECT job, slot, attempt, owner, until, progress_done, progress_total FROM leases"
+_SQL_BOARD_FORGET = "DELETE FROM leases WHERE job = ? AND slot = ? AND attempt <= ?"
+# What the file says of the processes, and of one owner's runs, for a renewal on the board.
+_SQL_INSTANCE_IDS = "SELECT instance, pid, start, namespace FROM instances"
+_SQL_HELD_BY = "SELECT job, slot, attempt, lease_until, lease FROM runs WHERE owner = ? AND state = 'running'"
+
+_Member = tuple[str, int, Union[int, None], Union[str, None]]  # (instance, pid, start, pid namespace)
+
+
+class _BoardLease(NamedTuple):
+    owner: str
+    until: float
+    progress: tuple[float | None, float | None]
+
+
+class _Board:
+    """The lease board of one database file (see above). Every call is one short transaction; any
+    failure is reported as "not on the board" (None or False), and the caller uses the file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._conn: sqlite3.Connection | None = None
+
+    @classmethod
+    def of(cls, directory: str | None, identity: tuple[int, int], boot_id: str | None) -> _Board | None:
+        """The board of the database file ``identity`` (device, inode) in ``directory``, if any."""
+        if not directory:
+            return None
+        key = hashlib.sha256(f"{identity[0]}:{identity[1]}:{boot_id}".encode()).hexdigest()[:32]
+        return cls(os.path.join(directory, f"anarchon_lite-{key}.board"))
+
+    def _connect(self, create: bool) -> sqlite3.Connection | None:
+        if self._conn is not None:
+            return self._conn
+        try:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            elif not os.path.exists(self.path):
+                return None
+            conn = sqlite3.connect(self.path, timeout=0.05, isolation_level=None, check_same_thread=False)
+        except (OSError, sqlite3.Error) as exc:
+            _log.debug("no lease board at %s: %s", self.path, exc)
+            return None
+        try:
+            _switch_to_wal(conn, self.path, 1.0)
+            conn.execute("PRAGMA synchronous = OFF")
+            for statement in _BOARD_SCHEMA:
+                conn.execute(statement)
+        except (StoreError, sqlite3.Error) as exc:
+            _log.debug("the lease board at %s cannot be used: %s", self.path, exc)
+            conn.close()
+            return None
+        self._conn = conn
+        return conn
+
+    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T | None:
+        conn = self._connect(create=True)
+        if conn is None:
+            return None
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = work(conn)
+                conn.execute("COMMIT")
+                return result
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            _log.debug("lease board write failed: %s", exc)
+            return None
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        conn = self._connect(create=False)
+        if conn is None:
+            return []
+        try:
+            return conn.execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            _log.debug("lease board read failed: %s", exc)
+            return []
+
+    def enrol(self, me: _Member) -> bool:
+        """Make this process a member (before its join commits)."""
+        return self._write(lambda conn: conn.execute(_SQL_ENROL, me)) is not None
+
+    def members(self) -> set[_Member]:
+        return {tuple(row) for row in self._read(_SQL_MEMBERS)}
+
+    def until(self, run: _RunRow) -> float | None:
+        """Until when (lease clock) the board says ``run``'s owner holds it, if it says."""
+        rows = self._read(_SQL_BOARD_LEASE, (run.job, run.slot, run.attempt, run.owner))
+        return float(rows[0][0]) if rows else None
+
+    def leases(self) -> dict[tuple[str, int, int], _BoardLease]:
+        return {(j, s, a): _BoardLease(o, u, (d, t)) for j, s, a, o, u, d, t in self._read(_SQL_BOARD_LEASES)}
+
+    def renew(
+        self, owner: str, renewals: Sequence[tuple[_Claim, float, float | None]], clock: Callable[[], float]
+    ) -> bool:
+        """Write each ``(claim, until, lease in the file)``; True only if every renewal counts:
+        committed while the lease it extends (the board's, else the file's) still held."""
+
+        def work(conn: sqlite3.Connection) -> list[float]:
+            held = []
+            for claim, until, in_file in renewals:
+                key = (claim.job, claim.slot, claim.attempt)
+                row = conn.execute(_SQL_BOARD_LEASE, (*key, owner)).fetchone()
+                held.append(max(row[0] if row else _NEVER, _NEVER if in_file is None else in_file))
+                conn.execute(_SQL_BOARD_RENEW, (*key, owner, until))
+            return held
+
+        held = self._write(work)
+        if held is None:
+            return False
+        committed = clock()
+        return all(committed < until for until in held)
+
+    def report(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> bool:
+        """Keep an attempt's progress with its lease; False if the board has no lease of it."""
+        key = (claim.job, claim.slot, claim.attempt, owner)
+        return bool(self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, (*progress, *key)).rowcount))
+
+    def forget(self, ended: Sequence[_Claim]) -> None:
+        """Drop the leases of ended attempts (and of the earlier attempts of their runs)."""
+        self._write(lambda conn: conn.executemany(_SQL_BOARD_FORGET, [(c.job, c.slot, c.attempt) for c in ended]))
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
 class _SQLiteStore(_SQLStore):
     """The store in one SQLite file in WAL mode, shared by the processes of one host.
 
@@ -2098,6 +2314,7 @@ class _SQLiteStore(_SQLStore):
         read_only: bool = False,
         autocheckpoint: bool = True,
         clock: Clock | None = None,
+        board_dir: str | None = None,
     ):
         self.path = path
         # Leases are stamped and compared on this clock's ``monotonic()``: on Linux one clock for
@@ -2116,6 +2333,12 @@ class _SQLiteStore(_SQLStore):
         self._lock_poll = lock_poll
         self._conn: sqlite3.Connection | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self._board_dir = board_dir  # where the lease board lives (None: renew in the file only)
+        self._board: _Board | None = None
+        self._on_board = False  #: the last renewal was made on the board (progress goes there too)
+        # When this process joined (lease clock): an owner not on our board may have renewed
+        # elsewhere until then, and its runs count as leased until then + their lease.
+        self._joined_at = self._clock.monotonic()
 
     def _owner(self) -> _Owner:
         return self._me
@@ -2226,7 +2449,7 @@ class _SQLiteStore(_SQLStore):
                 self._refuse_newer(version)
             if version == 0:  # (a file with anything in it keeps its page size)
                 conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
-            self._switch_to_wal(conn)
+            _switch_to_wal(conn, self.path, self._busy_timeout)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             pages = _WAL_LIMIT // int(conn.execute("PRAGMA page_size").fetchone()[0])
             conn.execute(f"PRAGMA wal_autocheckpoint = {pages if self._autocheckpoint else 0}")
@@ -2235,23 +2458,6 @@ class _SQLiteStore(_SQLStore):
                 self._create_schema(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreError(self.path, self._explain(exc)) from None
-
-    def _switch_to_wal(self, conn: sqlite3.Connection) -> None:
-        """Put the file in WAL mode. While another process is switching a new file, the switch
-        fails at once (no busy handler for it), so it is retried until the busy timeout."""
-        deadline = time.monotonic() + self._busy_timeout
-        while True:
-            try:
-                mode = str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]).lower()
-            except sqlite3.OperationalError as exc:
-                if not _is_busy(exc):
-                    raise
-                mode = "busy"
-            if mode == "wal":
-                return
-            if time.monotonic() > deadline:
-                raise StoreError(self.path, f"cannot switch to WAL mode (got {mode})")
-            _pause(0.01)
 
     def _create_schema(self, conn: sqlite3.Connection) -> None:
         """Create the schema in a new file, or migrate an older one in place (one transaction)."""
@@ -2276,6 +2482,8 @@ class _SQLiteStore(_SQLStore):
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._board is not None:
+            self._board.close()
 
     def _write(self, work: Callable[[sqlite3.Connection], T], notify: bool = True, again: bool = True) -> T:
         """Run ``work`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any error. (Every
@@ -2340,6 +2548,9 @@ class _SQLiteStore(_SQLStore):
 
     def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
         me = dataclasses.replace(self._me, instance=instance)
+        board = self._the_board()
+        if board is not None:
+            board.enrol(self._member(instance))  # (before the join commits: see the lease board)
 
         def work(conn: sqlite3.Connection) -> bool:
             others = [_Owner(*row[:5]) for row in conn.execute(_SQL_INSTANCES) if row[0] != me.instance]
@@ -2354,7 +2565,9 @@ class _SQLiteStore(_SQLStore):
             self._declare(conn, instance, declares)
             return alive == 0
 
-        return self._write(work)
+        alone = self._write(work)
+        self._joined_at = self._clock.monotonic()
+        return alone
 
     def _live_processes(self, read: Callable[[str, Sequence[Any]], list[Any]]) -> list[ProcessInfo]:
         me = self._owner()
@@ -2372,6 +2585,121 @@ class _SQLiteStore(_SQLStore):
 
     def leave(self, instance: str) -> None:
         self._write(lambda conn: (conn.execute(_SQL_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
+
+    # -- the lease board ----------------------------------------------------------------------------
+
+    def _the_board(self) -> _Board | None:
+        if self._board is None and self._board_dir:
+            try:
+                status = os.stat(self.path)
+            except OSError:
+                return None
+            self._board = _Board.of(self._board_dir, (status.st_dev, status.st_ino), self._me.boot_id)
+        return self._board
+
+    def _member(self, instance: str) -> _Member:
+        return (instance, self._me.pid, self._me.start, self._me.namespace)
+
+    def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
+        lost = self._renew_on_board(owner, claims)
+        self._on_board = lost is not None
+        return super().renew_all(owner, claims) if lost is None else lost
+
+    def _renew_on_board(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim] | None:
+        """Renew on the board if every process of the file is a member of it; the claims no longer
+        held (as the file says), or None: renew in the file."""
+        board = self._the_board()
+        if board is None:
+            return None
+        stamp = self._clock.monotonic()  # (before the file is read: see the lease board)
+        conn = self._connect()
+        try:
+            conn.execute("BEGIN")  # one snapshot of the processes and of the runs held
+            try:
+                processes = {tuple(row) for row in conn.execute(_SQL_INSTANCE_IDS)}
+                held = {(j, s, a): (until, lease) for j, s, a, until, lease in conn.execute(_SQL_HELD_BY, (owner,))}
+            finally:
+                conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            _log.debug("renewal on the lease board: the file could not be read: %s", exc)
+            return None
+        if self._member(owner) not in processes or not processes <= board.members():
+            return None
+        keys = [(c.job, c.slot, c.attempt) for c in claims]
+        renewals = [(c, stamp + held[k][1], held[k][0]) for c, k in zip(claims, keys) if k in held]
+        if not board.renew(owner, renewals, self._clock.monotonic):
+            return None
+        return [c for c, k in zip(claims, keys) if k not in held]
+
+    def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
+        board = self._the_board()
+        if not (board is not None and board.report(claim, owner, progress) and self._on_board):
+            super().report_progress(claim, owner, progress)
+
+    def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
+        done = super().finish_many(owner, ends)
+        board = self._the_board()
+        if board is not None:
+            board.forget([end.claim for end in ends])
+        return done
+
+    def runs(self) -> list[_RunRow]:
+        """The runs as the file has them, each running one's lease and progress as the board (or
+        an owner's possible renewals elsewhere before this process joined) extends them."""
+        rows = super().runs()
+        if not any(run.state == "running" for run in rows):
+            return rows
+        board = self._the_board()
+        members = board.members() if board is not None else set()
+        leases = board.leases() if board is not None and members else {}
+        now = self._clock.monotonic()
+        processes = self._processes()
+        return [
+            self._with_board(run, members, processes, leases, now) if run.state == "running" else run for run in rows
+        ]
+
+    def _with_board(
+        self,
+        run: _RunRow,
+        members: set[_Member],
+        processes: set[_Member],
+        leases: dict[tuple[str, int, int], _BoardLease],
+        now: float,
+    ) -> _RunRow:
+        lease = leases.get((run.job, run.slot, run.attempt))
+        if lease is not None and lease.owner != run.owner:
+            lease = None
+        until = self._leased_until(run, members, processes, None if lease is None else lease.until)
+        left = run.lease_left if until is None else max(run.lease_left or 0.0, until - now)
+        progress = lease.progress if lease is not None and lease.progress != (None, None) else None
+        if left == run.lease_left and progress is None:
+            return run
+        if progress is None:
+            return dataclasses.replace(run, lease_left=left)
+        return dataclasses.replace(run, lease_left=left, progress_done=progress[0], progress_total=progress[1])
+
+    def _processes(self) -> set[_Member]:
+        """The processes recorded in the file (as members of a board are)."""
+        return {tuple(row) for row in self._read(_SQL_INSTANCE_IDS)}
+
+    def _leased_until(
+        self, run: _RunRow, members: set[_Member], processes: set[_Member], on_board: float | None
+    ) -> float | None:
+        """Until when (lease clock) ``run``'s lease may hold beyond what the file says: its lease on
+        the board if its owner is a member of ours; if it is a process of the file that is not,
+        this process's join + the run's lease (an owner that never joined renews in the file)."""
+        owner = (run.owner, run.owner_pid, run.owner_start, run.owner_ns)
+        if owner in members:
+            return on_board
+        return self._joined_at + (run.lease or 0.0) if owner in processes else None
+
+    def _leased_elsewhere(self, run: _RunRow) -> bool:
+        now = self._clock.monotonic()  # (before the board is read: see the lease board)
+        board = self._the_board()
+        members = board.members() if board is not None else set()
+        on_board = board.until(run) if board is not None and members else None
+        until = self._leased_until(run, members, self._processes(), on_board)
+        return until is not None and until >= now
 
 
 def _real_path(path: str) -> str:
@@ -2689,6 +3017,7 @@ class _SQLite(_Backend):
         self.path, self.where, self._clock, self._busy_timeout = path, path, clock, busy_timeout
         self._read_only, self._retention = read_only, retention
         self._synchronous = "FULL" if durability == "full" else "NORMAL"
+        self._board_dir = os.environ.get("ANARCHON_BOARD_DIR", _BOARD_DIR)
 
     def main(self) -> _Store:
         store = _SQLiteStore(
@@ -2697,6 +3026,7 @@ class _SQLite(_Backend):
             synchronous=self._synchronous,
             read_only=self._read_only,
             clock=self._clock,
+            board_dir=self._board_dir,
         )
         store.retention = self._retention
         return store
@@ -2709,10 +3039,18 @@ class _SQLite(_Backend):
             lock_poll=0.0005,
             autocheckpoint=False,
             clock=self._clock,
+            board_dir=self._board_dir,
         )
 
     def fallback(self) -> _Store:  # never waits for the lock
-        return _SQLiteStore(self.path, busy_timeout=0.0, synchronous="NORMAL", autocheckpoint=False, clock=self._clock)
+        return _SQLiteStore(
+            self.path,
+            busy_timeout=0.0,
+            synchronous="NORMAL",
+            autocheckpoint=False,
+            clock=self._clock,
+            board_dir=self._board_dir,
+        )
 
     def changes(
         self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
@@ -5923,7 +6261,7 @@ class Scheduler:
             or (run.state == "running" and (run.job, run.slot, run.attempt) in self._runner.ended)
         ):
             return None  # (an attempt of ours that ended: its end is written, or about to be)
-        reason = ""
+        reason, gone = "", None
         if run.state == "pending":
             if run.not_before > now_ms:
                 return (run.not_before - now_ms) / 1000
@@ -5939,7 +6277,14 @@ class Scheduler:
         options = job.options
         claim = await self._link.call(
             lambda s: s.claim(
-                run, self.instance, options.lease, now_ms, options.max_attempts, options.overlap == "skip", reason
+                run,
+                self.instance,
+                options.lease,
+                now_ms,
+                options.max_attempts,
+                options.overlap == "skip",
+                reason,
+                owner_gone=gone is not None,
             )
         )
         if claim is not None:

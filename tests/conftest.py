@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable
@@ -21,6 +23,16 @@ import anarchon_lite
 # scheduled one (an hourly job would, when a test runs across the top of an hour).
 # Worked out once and handed down to the worker processes, whose clocks may be set otherwise (faketime).
 QUIET = int(os.environ.setdefault("ANARCHON_TEST_QUIET", str((int(time.time()) // 3600 + 12) % 24 * 3600)))
+
+
+# The lease boards of the session's files, in a folder of RAM of the session's own (removed at its
+# end) rather than in /dev/shm itself, where each test's file would leave its board until a reboot.
+# Worker processes inherit it (and import this file: they keep the folder they were given).
+BOARDS = os.environ.get("ANARCHON_TEST_BOARDS") or tempfile.mkdtemp(
+    prefix="anarchon-lite-boards-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+)
+os.environ["ANARCHON_TEST_BOARDS"] = BOARDS
+os.environ.setdefault("ANARCHON_BOARD_DIR", BOARDS)  # (a worker may be given another)
 
 
 # libfaketime itself (the faketime wrapper names a semaphore by pid, which collides across pid
@@ -136,6 +148,11 @@ def machine_to_itself():
 # ``@pytest.mark.sqlite_only`` keeps a test to SQLite, where what it checks exists only there (the
 # injected clock as the lease clock, the file itself). Without a server the PostgreSQL cases skip
 # with the reason, unless ``$ANARCHON_REQUIRE_POSTGRES`` is set (CI): then they fail.
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("ANARCHON_TEST_BOARDS") == BOARDS:
+        shutil.rmtree(BOARDS, ignore_errors=True)
 
 
 def pytest_configure(config):

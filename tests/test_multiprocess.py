@@ -90,14 +90,15 @@ class Processes:
     def __init__(self, db, events, isolated=False):
         self.db, self.events, self.procs, self.isolated = db, events, [], isolated
 
-    def start(self, mode, lease=30.0, prefix=()):
-        """Start a worker (``prefix``: a command it runs under, such as ``faketime``)."""
+    def start(self, mode, lease=30.0, prefix=(), env=None):
+        """Start a worker (``prefix``: a command it runs under, such as ``faketime``; ``env``:
+        variables set for it)."""
         args = [*prefix, sys.executable, WORKER, self.db, self.events, mode, str(lease)]
         if self.isolated:
             pid_file = f"{self.events}.pid{len(self.procs)}"
             proc = Isolated(args, pid_file)
         else:
-            proc = subprocess.Popen(args)
+            proc = subprocess.Popen(args, env={**os.environ, **(env or {})})
         self.procs.append(proc)
         return proc
 
@@ -264,6 +265,33 @@ def test_sigstop_past_the_lease_is_taken_over_and_fenced(procs):
     # no write of the frozen attempt landed after its successor read the checkpoint
     assert max(e["after"] for e in procs.read() if e["event"] == "saved" and e["pid"] == owner) <= second["after"]
     assert run(Scheduler(procs.db).checkpoints.get("export", slot)) is None  # deleted by attempt 2 only
+    assert settled(procs.db, "export", [(1, "interrupted"), (2, "succeeded")]) == [(1, "interrupted"), (2, "succeeded")]
+
+
+@pytest.mark.sqlite_only
+def test_a_process_on_another_lease_board_waits_a_lease_from_its_join_for_a_frozen_owner(procs, tmp_path):
+    """The owner renews on its lease board alone, long past its claim's lease in the file, and is
+    frozen; a process that cannot see that board (a container with a /dev/shm of its own) joins: it
+    cannot tell when the owner last renewed, so it takes the run over a whole lease after its join,
+    not at once, and once; the owner, thawed, has its stale writes refused."""
+    longer = {"WORKER_EXPORT_STEPS": "80"}  # 8 s: time for the newcomer to start and wait
+    owner = procs.start("export", lease=3.0, env=longer)
+    procs.wait(lambda e: e["event"] == "ready", what="the owner ready")
+    trigger(procs.db, "export")
+    procs.wait(lambda e: e["event"] == "saved" and e["after"] >= 35, what="progress past the claim's lease")
+    os.kill(owner.pid, signal.SIGSTOP)
+    try:
+        elsewhere = tmp_path / "another-shm"
+        elsewhere.mkdir()
+        newcomer = procs.start("export", lease=3.0, env={**longer, "ANARCHON_BOARD_DIR": str(elsewhere)})
+        ready = procs.wait(lambda e: e["event"] == "ready" and e["pid"] == newcomer.pid, what="the newcomer ready")
+        second = procs.wait(lambda e: e["event"] == "start" and e["attempt"] == 2, what="takeover", timeout=20)
+        assert second["pid"] == newcomer.pid and second["t"] - ready["t"] > 1.5
+    finally:
+        os.kill(owner.pid, signal.SIGCONT)
+    refused = procs.wait(lambda e: e["event"] == "refused" and e["pid"] == owner.pid, what="stale write refused")
+    assert refused["attempt"] == 1 and refused["reason"] == "LeaseLost"
+    procs.wait(lambda e: e["event"] == "done", timeout=30, what="done")
     assert settled(procs.db, "export", [(1, "interrupted"), (2, "succeeded")]) == [(1, "interrupted"), (2, "succeeded")]
 
 

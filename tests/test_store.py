@@ -382,3 +382,94 @@ def test_durability_sets_how_the_file_syncs_and_a_bad_value_is_refused(db, given
     assert run(s._link.call(lambda store: store._read("PRAGMA synchronous")))[0][0] == pragma
     with pytest.raises(al.ConfigError, match="durability"):
         Scheduler(db, durability="fast")
+
+
+# -- the lease board -----------------------------------------------------------------------------
+
+
+def on_board(db, clock, board_dir, instance):
+    """A store of a process that has joined the file as ``instance``, its lease board in ``board_dir``."""
+    board_dir.mkdir(exist_ok=True)
+    s = al._SQLiteStore(db, clock=clock, board_dir=str(board_dir))
+    s.register([al._Declared("job", "every 1h", 0, 3_600_000, "every 1h", "test")])
+    s._me = al._Owner("", os.getpid(), 1, f"pid:[{instance}]", "boot")  # as a process of its own
+    s.join(instance, 0, ["job"])
+    return s
+
+
+def commits(db):
+    """A number that changes whenever a connection commits to the file (``PRAGMA data_version``
+    as seen by a connection of its own, which never commits)."""
+    conn = sqlite3.connect(db)
+    return lambda: conn.execute("PRAGMA data_version").fetchone()[0]
+
+
+def test_renewals_are_made_on_the_lease_board_and_write_nothing_to_the_file(db, clock, tmp_path):
+    """While every process of the file shares the board, a renewal (and a progress report) is
+    written there, not to the file; the others see the lease and the progress on the board, and take
+    the run over only once the board's lease has run out; the owner's next renewal finds it lost."""
+    a = on_board(db, clock, tmp_path / "shm", OWNER)
+    b = on_board(db, clock, tmp_path / "shm", OTHER)
+    claim = claim_due(a, OWNER)
+    version = commits(db)
+    before = version()
+    clock.advance(10)
+    assert a.renew_all(OWNER, [claim]) == []
+    a.report_progress(claim, OWNER, (3, 10))
+    assert version() == before, "a renewal or a progress report was written to the file"
+    seen = b.runs()[0]
+    assert seen.lease_until - clock.monotonic() == pytest.approx(20)  # the file still has the claim's lease
+    assert seen.lease_left == pytest.approx(30) and (seen.progress_done, seen.progress_total) == (3, 10)
+    clock.advance(25)  # past the file's lease, not the board's
+    seen = b.runs()[0]
+    assert seen.lease_left == pytest.approx(5)
+    assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
+    clock.advance(6)
+    assert b.runs()[0].lease_left < 0
+    taken = b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired")
+    assert taken is not None and taken.attempt == 2
+    assert a.renew_all(OWNER, [claim]) == [claim]
+
+
+def test_a_renewal_made_after_its_lease_ran_out_is_made_in_the_file(db, clock, tmp_path):
+    """A renewal on the board counts only if it was written while the lease it extends held: one
+    written later (the owner frozen in between) may come after a taker read the board, so it is
+    made in the file, where the claim's compare-and-set decides between them."""
+    a = on_board(db, clock, tmp_path / "shm", OWNER)
+    on_board(db, clock, tmp_path / "shm", OTHER)
+    claim = claim_due(a, OWNER)
+    version = commits(db)
+    clock.advance(20)
+    before = version()
+    assert a.renew_all(OWNER, [claim]) == []  # on the board, until 50 s after the claim
+    assert version() == before
+    clock.advance(31)
+    assert a.renew_all(OWNER, [claim]) == []  # still held (nobody took it), but in the file
+    assert version() != before
+    assert a.runs()[0].lease_until - clock.monotonic() == pytest.approx(30)
+
+
+def test_a_process_not_on_the_board_makes_owners_renew_in_the_file(db, clock, tmp_path):
+    """A process that cannot see the board (a container with a /dev/shm of its own) joins: owners
+    renew in the file from their next renewal on, and until then the newcomer holds their runs as
+    leased for a whole lease from its join, whatever the file's older lease says."""
+    a = on_board(db, clock, tmp_path / "shm", OWNER)
+    claim = claim_due(a, OWNER)
+    clock.advance(20)
+    version = commits(db)
+    before = version()
+    assert a.renew_all(OWNER, [claim]) == []
+    assert version() == before  # alone on its board: renewed there
+    clock.advance(15)  # the file's lease ran out 5 s ago; the board's holds 15 s more
+    b = on_board(db, clock, tmp_path / "other-shm", OTHER)
+    seen = b.runs()[0]
+    assert seen.lease_until < clock.monotonic()
+    assert seen.lease_left == pytest.approx(30)  # from b's join
+    assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
+    before = version()
+    assert a.renew_all(OWNER, [claim]) == []
+    assert version() != before  # b is no member of a's board: renewed in the file
+    clock.advance(31)  # the owner stopped renewing
+    seen = b.runs()[0]
+    assert seen.lease_left < 0
+    assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired").attempt == 2

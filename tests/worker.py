@@ -26,6 +26,7 @@ from anarchon_lite import Aborted, Clock, LeaseLost, Scheduler
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests ask a stuck worker where it is
 DB, EVENTS, MODE = sys.argv[1:4]
 LEASE = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
+STEPS = int(os.environ.get("WORKER_EXPORT_STEPS", "60"))  # how many checkpoints an export saves
 
 
 def host_pid():
@@ -62,7 +63,7 @@ async def export(ctx):
     after = await ctx.checkpoint.get(0)
     emit("start", slot=ctx.slot, attempt=ctx.attempt, after=after)
     try:
-        while after < 60:
+        while after < STEPS:
             await asyncio.sleep(0.1)
             after += 1
             await ctx.checkpoint.set(after)  # written before looking at the signal, on purpose
