@@ -74,10 +74,14 @@ class LockHolder:
         self._thread.join(10)
 
 
-def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog):
+@pytest.mark.parametrize("board", [True, False], ids=["lease-board", "no-board"])
+def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog, monkeypatch, board):
     """Writes wait 0.3 s for the lock, which another connection holds for 1.5 s, inside the run's
-    3 s lease: renewals fail and are retried, the run keeps its lease and succeeds at attempt 1, and
-    a second scheduler does not take it over."""
+    3 s lease: the run keeps its lease and succeeds at attempt 1, and a second scheduler does not
+    take it over. On the lease board renewals never need the file's lock; without one they fail
+    and are retried."""
+    if not board:
+        monkeypatch.setenv("ANARCHON_BOARD_DIR", "")
 
     async def main():
         a, b = make(db, instance="a", busy_timeout=0.3), make(db, instance="b", busy_timeout=0.3)
@@ -107,7 +111,10 @@ def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog):
     with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
         run(main())
     renewals = [r.getMessage() for r in caplog.records if "lease renewal failed" in r.getMessage()]
-    assert renewals and all(db in m and "locked" in m for m in renewals), renewals
+    if board:
+        assert renewals == []
+    else:
+        assert renewals and all(db in m and "locked" in m for m in renewals), renewals
     assert integrity(db) == "ok"
 
 
