@@ -878,6 +878,21 @@ class _JobRow(NamedTuple):  # (a tuple: a status of 10,000 jobs makes 10,000 of 
     changed: int = 0  # the change number of the row's last write (see _SQL_NEXT_CHANGE)
 
 
+class _JobStatusRow(NamedTuple):
+    """A job as ``job_statuses`` reads it (a tuple: one per job)."""
+
+    name: str
+    schedule: str
+    paused: int  # 1 when paused (as stored)
+    last_slot: int
+    next_slot: int | None
+    definition: str | None
+    declared_by: str | None
+    undeclared: int | None  # 1 when no running process declares it; None when that cannot be told
+    last_status: str | None  # the status of its newest record
+    last_at: int | None  # when that record's attempt started (ms; for a record of no attempt, its slot)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Declared:
     """A job as this process declares it, for ``register``."""
@@ -1181,9 +1196,9 @@ class _Store(abc.ABC):
         declarations)."""
 
     @abc.abstractmethod
-    def last_records(self) -> dict[str, tuple[str, int]]:
-        """Each job's newest record, by job: its status, and when its attempt started (ms; for a
-        record of no attempt, when its occurrence was due)."""
+    def job_statuses(self) -> list[_JobStatusRow]:
+        """Every job, by name, with whether a running process declares it and its newest record,
+        in one read."""
 
     @abc.abstractmethod
     def forget(self, job: str) -> str | None:
@@ -1372,10 +1387,17 @@ _SQL_FORGET = tuple(
     )
 )
 _SQL_JOB_RUNS = "SELECT count(*) FROM runs WHERE job = ?"
-# Each job's newest record (the job's largest id: on PostgreSQL too a look-up of the index each).
-_SQL_LAST_RECORDS = (
-    "SELECT job, status, COALESCE(started_at, slot) FROM history WHERE id IN "
-    "(SELECT (SELECT max(id) FROM history h WHERE h.job = jobs.name) FROM jobs)"
+# Every job with what ``status`` shows: whether a running process declares it (``{undeclared}``:
+# NULL when that cannot be told) and its newest record (the job's largest id: a look-up of the
+# index per job, on PostgreSQL too). One read: 10,000 jobs are scanned once, not three times.
+_SQL_JOB_STATUSES = (
+    "SELECT jobs.name, jobs.schedule, jobs.paused, jobs.last_slot, jobs.next_slot, jobs.definition, "
+    "jobs.declared_by, {undeclared}, h.status, COALESCE(h.started_at, h.slot) FROM jobs "
+    "LEFT JOIN history h ON h.id = (SELECT max(id) FROM history x WHERE x.job = jobs.name) ORDER BY jobs.name"
+)
+_SQL_NOT_DECLARED = (  # (``{live}``: the placeholders of the running processes' instances)
+    "CASE WHEN EXISTS (SELECT 1 FROM declarations d WHERE d.job = jobs.name AND d.instance IN ({live})) "
+    "THEN 0 ELSE 1 END"
 )
 _SQL_ADVANCE = (
     f"UPDATE jobs SET last_slot = ?, next_slot = ?, changed = {_SQL_NEXT_CHANGE} WHERE name = ? AND last_slot = ?"
@@ -1795,8 +1817,12 @@ class _SQLStore(_Store):
         conn.execute(_SQL_UNDECLARE_GONE)
         conn.executemany(_SQL_DECLARE, [(name, instance) for name in declares])
 
-    def last_records(self) -> dict[str, tuple[str, int]]:
-        return {job: (status, at) for job, status, at in self._read(_SQL_LAST_RECORDS)}
+    def job_statuses(self) -> list[_JobStatusRow]:
+        live = self._live_processes(self._read)
+        judged = live and not any(p.jobs is None for p in live)
+        undeclared = _SQL_NOT_DECLARED.format(live=", ".join("?" * len(live))) if judged else "NULL"
+        rows = self._read(_SQL_JOB_STATUSES.format(undeclared=undeclared), [p.instance for p in live] if judged else [])
+        return list(map(_JobStatusRow._make, rows))
 
     # -- checkpoints and history ------------------------------------------------------------------
 
@@ -4674,6 +4700,22 @@ class JobStatus:
         """``undeclared``, ``paused`` or ``active``."""
         return "undeclared" if self.undeclared else "paused" if self.paused else "active"
 
+    def _fill(self, row: _JobStatusRow, following: int | None, runs: tuple[RunInfo, ...]) -> None:
+        # (Filled in directly: a frozen dataclass's __init__ sets each field through
+        # object.__setattr__, 2 us an object, a third of a status of 10,000 jobs.)
+        self.__dict__.update(
+            name=row.name,
+            schedule=row.schedule,
+            paused=bool(row.paused),
+            next_at=None if following is None else _utc_from_ms(following),
+            runs=runs,
+            definition=row.definition,
+            declared_by=row.declared_by,
+            undeclared=bool(row.undeclared),
+            last_status=row.last_status,
+            last_at=None if row.last_at is None else _utc_from_ms(row.last_at),
+        )
+
 
 def _run_info(row: _RunRow, now: float) -> RunInfo:
     started = _dt_or_none(row.started_at)
@@ -5791,9 +5833,7 @@ class Scheduler:
 
     async def status(self) -> list[JobStatus]:
         """Every job in the file: schedule, next occurrence, state, newest record and unfinished runs."""
-        jobs, runs, undeclared, last = await self._link.call(
-            lambda s: (s.jobs(), s.runs(), set(s.undeclared() or ()), s.last_records())
-        )
+        jobs, runs = await self._link.call(lambda s: (s.job_statuses(), s.runs()))
         now_wall = self._clock.time()
         now_ms = _ms(now_wall)
         runs_of: dict[str, list[_RunRow]] = {}
@@ -5806,22 +5846,8 @@ class Scheduler:
             if declared is not None and following is not None and following <= now_ms:  # due: the one after now
                 following = declared.schedule.next_after(now_ms)
             mine = runs_of.get(row.name)
-            newest = last.get(row.name)
-            # (Filled in directly: a frozen dataclass's __init__ sets each field through
-            # object.__setattr__, 2 us an object, a third of a status of 10,000 jobs.)
             status = object.__new__(JobStatus)
-            status.__dict__.update(
-                name=row.name,
-                schedule=row.schedule,
-                paused=bool(row.paused),
-                next_at=None if following is None else _utc_from_ms(following),
-                runs=() if mine is None else tuple(_run_info(r, now_wall) for r in mine),
-                definition=row.definition,
-                declared_by=row.declared_by,
-                undeclared=row.name in undeclared,
-                last_status=None if newest is None else newest[0],
-                last_at=None if newest is None else _utc_from_ms(newest[1]),
-            )
+            status._fill(row, following, () if mine is None else tuple(_run_info(r, now_wall) for r in mine))
             result.append(status)
         return result
 
