@@ -643,13 +643,6 @@ _CRON_FIELDS: tuple[tuple[str, int, int, dict[str, int]], ...] = (
 _DIGITS = re.compile(r"[0-9]+\Z")  # str.isdigit() takes "²", which int() refuses
 
 
-def _cron_field(text: str, index: int, job: str) -> list[int]:
-    try:
-        return list(_cron_values(text, index))
-    except ValueError as exc:
-        raise ConfigError(str(exc), job=job, option="cron") from None
-
-
 @functools.lru_cache(maxsize=4096)  # (thousands of jobs declared with the same fields)
 def _cron_values(text: str, index: int) -> tuple[int, ...]:
     """The values of cron field ``index`` written ``text``; ValueError says what is wrong."""
@@ -694,22 +687,50 @@ def _cron_values(text: str, index: int) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
+class _CronFields(NamedTuple):
+    minutes: list[int]
+    hours: list[int]
+    days: set[int]
+    months: set[int]
+    weekdays: set[int]
+    dom_star: bool  # the day-of-month field starts with ``*`` (cron's rule for both day fields)
+    dow_star: bool
+    elapsed: bool  # the minute or hour field starts with ``*``: it follows elapsed time over DST
+
+
+@functools.lru_cache(maxsize=4096)  # (a crontab of 10,000 jobs: each text parsed once)
+def _cron_fields(text: str) -> _CronFields:
+    """The fields of a 5-field cron expression; ValueError says what is wrong."""
+    fields = text.split()
+    if len(fields) != 5:
+        raise ValueError(f"cron expression {text!r} must have 5 fields (minute hour day month weekday)")
+    minutes, hours, days, months, weekdays = (list(_cron_values(f, i)) for i, f in enumerate(fields))
+    parsed = _CronFields(
+        minutes,
+        hours,
+        set(days),
+        set(months),
+        set(weekdays),
+        fields[2].startswith("*"),
+        fields[4].startswith("*"),
+        fields[0].startswith("*") or fields[1].startswith("*"),
+    )
+    if (parsed.dom_star or parsed.dow_star) and min(days) > max(map(_month_days, months)):
+        raise ValueError(f"cron expression {text!r} never fires")
+    return parsed
+
+
 class _Cron(_Calendar):
     def __init__(self, expr: str, zone: _dt.tzinfo, job: str):
         text = _CRON_NICKNAMES.get(expr.strip().lower(), expr.strip())
-        fields = text.split()
-        if len(fields) != 5:
-            raise ConfigError(
-                f"cron expression {expr!r} must have 5 fields (minute hour day month weekday)", job=job, option="cron"
-            )
-        self.minutes, self.hours, days, months, weekdays = (_cron_field(f, i, job) for i, f in enumerate(fields))
-        self.days, self.months, self.weekdays = set(days), set(months), set(weekdays)
-        self.dom_star, self.dow_star = fields[2].startswith("*"), fields[4].startswith("*")
+        try:
+            fields = _cron_fields(text)
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace(repr(text), repr(expr)), job=job, option="cron") from None
+        self.minutes, self.hours, self.days, self.months, self.weekdays = fields[:5]
+        self.dom_star, self.dow_star, self.elapsed = fields.dom_star, fields.dow_star, fields.elapsed
         self.zone = zone
-        self.elapsed = fields[0].startswith("*") or fields[1].startswith("*")
         self.description = f"cron {expr.strip()} {getattr(zone, 'key', None) or zone}"
-        if (self.dom_star or self.dow_star) and min(days) > max(map(_month_days, months)):
-            raise ConfigError(f"cron expression {expr!r} never fires", job=job, option="cron")
 
     def _day_matches(self, day: _dt.date) -> bool:
         dom = day.day in self.days
