@@ -4,7 +4,9 @@
 same way by every process, as people deploy it under gunicorn; each run appends its scheduled second
 and lateness to OUT. With SECONDS_IDLE > 0 the process instead holds ten hourly jobs and nothing due.
 With ``long``, one hourly job whose first run is due at ``$PEER_AT`` (epoch seconds) and lasts an hour:
-the run a takeover is measured on. ``aps4pg``: APScheduler 4 on PostgreSQL (DB is a
+the run a takeover is measured on. With ``spread COUNT`` (APScheduler 4), COUNT jobs every minute,
+their first runs spread over the minute from ``$PEER_AT``, handlers that return at once (the
+``scale`` benchmark's busy workload). ``aps4pg``: APScheduler 4 on PostgreSQL (DB is a
 ``postgresql://`` URL), with its asyncpg event broker.
 """
 
@@ -19,6 +21,7 @@ import time
 KIND, DB, OUT = sys.argv[1:4]
 IDLE = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 LONG = sys.argv[5:6] == ["long"]
+SPREAD = int(sys.argv[6]) if sys.argv[5:6] == ["spread"] else 0  # COUNT jobs every minute, spread over it
 
 
 def record(scheduled: float) -> None:
@@ -98,6 +101,16 @@ def run_aps4() -> None:
                     id="long",
                     conflict_policy=ConflictPolicy.do_nothing,
                 )
+            elif SPREAD:
+                at = float(os.environ["PEER_AT"])
+                for i in range(SPREAD):
+                    first = dt.datetime.fromtimestamp(at + i * 60 / SPREAD, dt.timezone.utc)
+                    await scheduler.add_schedule(
+                        tick_aps4,
+                        IntervalTrigger(minutes=1, start_time=first),
+                        id=f"job-{i}",
+                        conflict_policy=ConflictPolicy.replace,
+                    )
             elif IDLE:
                 for i in range(10):
                     await scheduler.add_schedule(

@@ -126,6 +126,33 @@ def workload(python: str, kind: str, seconds: float, database: Database) -> dict
     }
 
 
+def spread(python: str, count: int, seconds: float) -> dict[str, Any]:
+    """One APScheduler 4 process (SQLite) with ``count`` jobs every minute, spread over the minute
+    (as the ``scale`` benchmark's busy workload): its CPU share of a core and how late runs start."""
+    with tempfile.TemporaryDirectory() as folder:
+        db, out = sqlite_files(folder, "spread"), os.path.join(folder, "runs.jsonl")
+        # (adding 10,000 schedules one by one takes APScheduler 4 a while: the first runs wait for it)
+        os.environ["PEER_AT"] = str(time.time() + 5 + count / 100)
+        proc = start(python, "aps4", db, out, 0.0, "spread", str(count))
+        try:
+            time.sleep(max(0.0, float(os.environ["PEER_AT"]) - time.time()) + 5)
+            cpu, begin = cpu_seconds(proc.pid), time.time()
+            time.sleep(seconds)
+            cpu, end = cpu_seconds(proc.pid) - cpu, time.time()
+        finally:
+            stop([proc])
+        late = [r["late"] * 1000 for r in records(out) if begin <= r["slot"] < end - 1]
+    return {
+        "jobs": count,
+        "occurrences": len(late),
+        "expected": round(count * (end - 1 - begin) / 60),
+        "cpu_share": cpu / (end - begin),
+        "p50_ms": percentile(late, 50),
+        "p99_ms": percentile(late, 99),
+        "max_ms": max(late, default=float("nan")),
+    }
+
+
 def idle_cpu(
     pythons: dict[str, tuple[str, str]], seconds: float, database: Database, activity: Any = None
 ) -> dict[str, dict[str, float]]:

@@ -51,3 +51,37 @@ def draw(results: dict[str, Any], path: str) -> None:
     )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+def draw_scale(results: dict[str, Any], path: str) -> None:
+    """CPU per hour and start lateness p99 against the number of jobs ``every 1m`` (log scales),
+    this project and APScheduler 4 on the same workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    section = results["scale"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, rows in (
+        ("anarchon_lite", section["busy"]),
+        ("APScheduler 4.0.0a6", section.get("busy_apscheduler4", [])),
+    ):
+        if not rows:
+            continue
+        jobs = [r["jobs"] for r in rows]
+        left.plot(jobs, [max(r["cpu_share"] * 3600, 1e-2) for r in rows], marker="o", label=name)
+        right.plot(jobs, [max(r["p99_ms"] or 0.0, 1e-1) for r in rows], marker="o", label=name)
+    for axes, label in ((left, "CPU seconds per hour"), (right, "start lateness p99, ms")):
+        axes.set_xscale("log")
+        axes.set_yscale("log")
+        axes.set_xlabel("jobs, each every minute, spread over the minute (log scale)")
+        axes.set_ylabel(f"{label} (log scale)")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=8)
+    left.set_title("CPU of one process")
+    right.set_title("How late runs start")
+    m = results["machine"]
+    figure.suptitle(f"Many jobs, SQLite, one process: {m['date']}, Python {m['python']}, {m['cores']} cores")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)

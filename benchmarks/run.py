@@ -493,13 +493,19 @@ def _scale_run(*args: str, timeout: float = 600.0) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def scale(quick: bool) -> dict[str, Any]:
+def scale(quick: bool, peers: bool = True) -> dict[str, Any]:
     """Many jobs, on SQLite: idle (10, 1,000 and 10,000 jobs, ``every`` and cron, none due: start,
     CPU per look and per hour, ``status()``); busy (as many jobs ``every 1m`` spread over the
     minute: CPU share, CPU per occurrence, start lateness); 10,000 due in the same second (one and
-    four processes); 10,000 jobs with 1,000,000 history records (the calls and the command line)."""
+    four processes); 10,000 jobs with 1,000,000 history records (the calls and the command line).
+    With ``peers``, the busy workload on APScheduler 4 (SQLite) too, one process, the same spans."""
     idle_s, busy_s = (20.0, 30.0) if quick else (60.0, 120.0)
-    section: dict[str, Any] = {"idle": [], "busy": [], "burst": [], "history": {}}
+    section: dict[str, Any] = {"idle": [], "busy": [], "burst": [], "history": {}, "busy_apscheduler4": []}
+    aps4 = None
+    if peers:
+        from peers import PEERS, venv_python
+
+        aps4 = venv_python(*PEERS["apscheduler4"])
     for count in (10, 1_000, 10_000):
         for kind in ("every", "cron"):
             with tempfile.TemporaryDirectory() as folder:
@@ -508,6 +514,10 @@ def scale(quick: bool) -> dict[str, Any]:
                 )
         with tempfile.TemporaryDirectory() as folder:
             section["busy"].append(_scale_run("spread", os.path.join(folder, "jobs.db"), str(count), str(busy_s)))
+        if aps4 is not None:
+            from peers import spread
+
+            section["busy_apscheduler4"].append(spread(aps4, count, busy_s))
         print(f"scale {count}: done", flush=True)
     for processes in (1, 4):
         with tempfile.TemporaryDirectory() as folder:
@@ -516,6 +526,9 @@ def scale(quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         db = os.path.join(folder, "jobs.db")
         section["history"] = _scale_run("history", db, "10000", "100")
+        # As installed, as ``lean`` measures the import: the bytecode compiled (pip does it; under
+        # $PYTHONDONTWRITEBYTECODE each command would compile the module first, about 0.1 s).
+        py_compile.compile(os.path.join(ROOT, "anarchon_lite.py"), doraise=True)
         for key, command in [
             ("status", ["status"]),
             ("history", ["history"]),
@@ -525,7 +538,10 @@ def scale(quick: bool) -> dict[str, Any]:
             for _ in range(3):
                 start = time.perf_counter()
                 subprocess.run(
-                    [sys.executable, "-m", "anarchon_lite", "--db", db, *command], check=True, capture_output=True
+                    [sys.executable, "-m", "anarchon_lite", "--db", db, *command],
+                    cwd=ROOT,
+                    check=True,
+                    capture_output=True,
                 )
                 samples.append(time.perf_counter() - start)
             section["history"][f"cli_{key}_s"] = statistics.median(samples)
@@ -721,6 +737,14 @@ def report_scale(section: dict[str, Any]) -> None:
             f"{r['jobs']:<7} {r['occurrences']:>11}  {r['cpu_share']:>8.1%}  {r['cpu_per_occurrence_ms'] or 0:>17.2f}"
             f"  {r['p50_ms'] or 0:>15.1f}  {r['p99_ms'] or 0:>6.1f}  {r['max_ms'] or 0:>6.1f}"
         )
+    if section.get("busy_apscheduler4"):
+        print("\nthe same busy workload on APScheduler 4.0.0a6 (SQLAlchemy data store on SQLite), one process")
+        print("jobs    occurrences  expected  CPU share  lateness p50 ms  p99 ms  max ms")
+        for r in section["busy_apscheduler4"]:
+            print(
+                f"{r['jobs']:<7} {r['occurrences']:>11}  {r['expected']:>8}  {r['cpu_share']:>8.1%}"
+                f"  {r['p50_ms']:>15.1f}  {r['p99_ms']:>6.1f}  {r['max_ms']:>6.1f}"
+            )
     print("\ndue in the same second")
     for r in section["burst"]:
         print(
@@ -765,8 +789,12 @@ def measure(args: argparse.Namespace) -> int:
             results["lean"] = lean(quick)
             report_lean(results["lean"])
         else:
-            results["scale"] = scale(quick)
+            results["scale"] = scale(quick, peers=not args.no_peers)
             report_scale(results["scale"])
+            if args.plot:
+                from plot import draw_scale
+
+                draw_scale(results, args.plot)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(results, handle, indent=1)
