@@ -1138,13 +1138,13 @@ class _Store(abc.ABC):
         owner_gone: bool = False,
     ) -> _Claim | None:
         """Claim a pending run, or take over a running one whose owner is gone or whose lease ran
-        out (``reason`` says why; ``owner_gone``: the owner is known to have ended, so its lease
-        no longer counts), for ``lease`` seconds. A compare-and-set on the whole row as the caller
-        saw it: if the owner renewed, or another process claimed first, nothing is written and None
-        returned. A
-        takeover records the previous attempt ``interrupted``; past ``max_attempts`` the run is
-        ``failed`` for good, a cancelled one ``cancelled``; under ``skip_if_busy`` an occurrence that
-        has not started while another run of the job is unfinished is ``skipped``."""
+        out (``reason`` says why; ``owner_gone``: the owner is known to have ended, so its lease no
+        longer counts), for ``lease`` seconds. A compare-and-set on the whole row as the caller saw
+        it: if the owner renewed (in the row, or where else the store keeps leases), or another
+        process claimed first, nothing is written and None returned. A takeover records the previous
+        attempt ``interrupted``; past ``max_attempts`` the run is ``failed`` for good, a cancelled
+        one ``cancelled``; under ``skip_if_busy`` an occurrence that has not started while another
+        run of the job is unfinished is ``skipped``."""
 
     @abc.abstractmethod
     def owner_gone(self, run: _RunRow) -> str | None:
@@ -2207,7 +2207,8 @@ _SQL_BOARD_PROGRESS = (
     "UPDATE leases SET progress_done = ?, progress_total = ? WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
 )
 _SQL_BOARD_LEASES = "SELECT job, slot, attempt, owner, until, progress_done, progress_total FROM leases"
-_SQL_BOARD_FORGET = "DELETE FROM leases WHERE job = ? AND slot = ? AND attempt <= ?"
+# (an ended attempt's lease is left to expire: a round of renewals deletes what expired a minute ago)
+_SQL_BOARD_PURGE = "DELETE FROM leases WHERE until < ?"
 # What the file says of the processes, and of one owner's runs, for a renewal on the board.
 _SQL_INSTANCE_IDS = "SELECT instance, pid, start, namespace FROM instances"
 _SQL_HELD_BY = "SELECT job, slot, attempt, lease_until, lease FROM runs WHERE owner = ? AND state = 'running'"
@@ -2311,6 +2312,7 @@ class _Board:
         committed while the lease it extends (the board's, else the file's) still held."""
 
         def work(conn: sqlite3.Connection) -> list[float]:
+            conn.execute(_SQL_BOARD_PURGE, (clock() - 60.0,))
             held = []
             for claim, until, in_file in renewals:
                 key = (claim.job, claim.slot, claim.attempt)
@@ -2329,10 +2331,6 @@ class _Board:
         """Keep an attempt's progress with its lease; False if the board has no lease of it."""
         key = (claim.job, claim.slot, claim.attempt, owner)
         return bool(self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, (*progress, *key)).rowcount))
-
-    def forget(self, ended: Sequence[_Claim]) -> None:
-        """Drop the leases of ended attempts (and of the earlier attempts of their runs)."""
-        self._write(lambda conn: conn.executemany(_SQL_BOARD_FORGET, [(c.job, c.slot, c.attempt) for c in ended]))
 
     def close(self) -> None:
         if self._conn is not None:
@@ -2682,13 +2680,6 @@ class _SQLiteStore(_SQLStore):
         board = self._the_board()
         if not (board is not None and board.report(claim, owner, progress) and self._on_board):
             super().report_progress(claim, owner, progress)
-
-    def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
-        done = super().finish_many(owner, ends)
-        board = self._the_board()
-        if board is not None:
-            board.forget([end.claim for end in ends])
-        return done
 
     def runs(self) -> list[_RunRow]:
         """The runs as the file has them, each running one's lease and progress as the board (or

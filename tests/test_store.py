@@ -473,3 +473,18 @@ def test_a_process_not_on_the_board_makes_owners_renew_in_the_file(db, clock, tm
     seen = b.runs()[0]
     assert seen.lease_left < 0
     assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired").attempt == 2
+
+
+def test_the_leases_of_ended_attempts_leave_the_board_a_minute_after_they_expire(db, clock, tmp_path):
+    """Nothing is written to the board when an attempt ends: its lease expires, and a round of
+    renewals a minute later deletes it, so the board does not grow with the runs."""
+    a = on_board(db, clock, tmp_path / "shm", OWNER)
+    first = claim_due(a, OWNER)
+    assert a.renew_all(OWNER, [first]) == []
+    assert a.finish(OWNER, al._End(first, "succeeded", None, 2000))
+    board = a._the_board()
+    assert set(board.leases()) == {("job", 1000, 1)}  # (left to expire)
+    second = claim_due(a, OWNER, expected=1000, slot=2000)
+    clock.advance(30 + 61)
+    assert a.renew_all(OWNER, [second]) == []  # (still held; its lease had run out: renewed in the file)
+    assert set(board.leases()) == {("job", 2000, 1)}
