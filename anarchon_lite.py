@@ -2253,7 +2253,9 @@ class _Board:
             return None
         try:
             _switch_to_wal(conn, self.path, 1.0)
-            conn.execute("PRAGMA synchronous = OFF")
+            conn.execute("PRAGMA synchronous = OFF")  # (RAM: nothing to sync; its WAL stays small)
+            conn.execute("PRAGMA wal_autocheckpoint = 64")
+            conn.execute("PRAGMA journal_size_limit = 262144")
             for statement in _BOARD_SCHEMA:
                 conn.execute(statement)
         except (StoreError, sqlite3.Error) as exc:
