@@ -1,6 +1,6 @@
 """Chaos: scheduler processes sharing one file, killed, stopped, frozen and restarted at random.
 
-    python tests/chaos.py [--minutes M | --seconds S] [--seed S] [--processes N] [--json PATH]
+    python tests/chaos.py [--minutes M | --seconds S] [--seed S] [--processes N] [--boards N] [--json PATH]
                           [--store sqlite|postgresql]
 
 N worker processes (default 3) declare the same three jobs: ``skip`` (every 2 s, overlap skip),
@@ -273,8 +273,11 @@ def worker(directory: str, location: str) -> None:
 class Workers:
     """The worker processes; every one started is ended and reaped by ``close``."""
 
-    def __init__(self, directory: str, location: str, server=None):
+    def __init__(self, directory: str, location: str, server=None, boards: int = 0):
         self.directory, self.location, self.server = directory, location, server
+        # With ``boards``, the workers take turns among that many lease boards, as containers with
+        # a /dev/shm each would: owners renew in the file while processes of two boards run.
+        self.boards = boards
         self.alive: list[subprocess.Popen] = []
         self.all: list[subprocess.Popen] = []
         self.proxies: dict[int, object] = {}  # pid: the TCP proxy between that worker and the server
@@ -289,11 +292,16 @@ class Workers:
             parts = urllib.parse.urlsplit(location)
             proxy = Proxy((parts.hostname, parts.port))
             location = urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}"))
+        env = dict(os.environ)
+        if self.boards:
+            env["ANARCHON_BOARD_DIR"] = os.path.join(self.directory, f"board-{len(self.all) % self.boards}")
+            os.makedirs(env["ANARCHON_BOARD_DIR"], exist_ok=True)
         with open(os.path.join(self.directory, f"worker-{len(self.all)}.log"), "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", self.directory, location],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
+                env=env,
             )
         if proxy is not None:
             self.proxies[proc.pid] = proxy
@@ -325,7 +333,7 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
 
 
 class Chaos:
-    def __init__(self, directory: str, seed: int, processes: int, server=None):
+    def __init__(self, directory: str, seed: int, processes: int, server=None, boards: int = 0):
         """``server``: a tests/pgserver.Server to run on (its schema ``chaos``); else an SQLite file."""
         self.directory = directory
         self.server = server
@@ -335,7 +343,7 @@ class Chaos:
         self.rng = random.Random(seed)
         self.seed = seed
         self.processes = processes
-        self.workers = Workers(directory, self.db, server)
+        self.workers = Workers(directory, self.db, server, boards)
         self.kinds = KINDS + (PG_KINDS if server else ())
         if server is not None and server.given:
             self.kinds = tuple(k for k in self.kinds if k != "pg_restart")  # not a server of ours to restart
@@ -630,11 +638,14 @@ def describe(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run(directory: str, seconds: float, seed: int, processes: int = 3, store: str = "sqlite", server=None) -> dict:
+def run(
+    directory: str, seconds: float, seed: int, processes: int = 3, store: str = "sqlite", server=None, boards: int = 0
+) -> dict:
     """One chaos run; on ``store="postgresql"``, on ``server`` (a tests/pgserver.Server) or a
-    throwaway server of its own."""
+    throwaway server of its own; with ``boards`` (SQLite), the workers spread over that many lease
+    boards."""
     if store == "sqlite":
-        report = Chaos(directory, seed, processes).run(seconds)
+        report = Chaos(directory, seed, processes, boards=boards).run(seconds)
     elif server is not None:
         report = Chaos(directory, seed, processes, server).run(seconds)
     else:
@@ -658,6 +669,7 @@ def main(argv=None) -> int:
     length.add_argument("--seconds", type=float)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--boards", type=int, default=0, help="spread the workers over this many lease boards")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--json", metavar="PATH", help="write the summary (without the event log) here")
     parser.add_argument("--keep", metavar="DIR", help="run in DIR and keep its files")
@@ -670,7 +682,7 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         directory = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="anarchon-chaos-"))
         os.makedirs(directory, exist_ok=True)
-        report = run(directory, seconds, seed, args.processes, args.store)
+        report = run(directory, seconds, seed, args.processes, args.store, boards=args.boards)
     print(describe(report))
     if args.json:
         summary = {k: v for k, v in report.items() if k not in ("log", "timeline")}
