@@ -72,6 +72,12 @@ def draw_scale(results: dict[str, Any], path: str) -> None:
         jobs = [r["jobs"] for r in rows]
         left.plot(jobs, [max(r["cpu_share"] * 3600, 1e-2) for r in rows], marker="o", label=name)
         right.plot(jobs, [max(r["p99_ms"] or 0.0, 1e-1) for r in rows], marker="o", label=name)
+        for r in rows:  # a scheduler that fell behind ran fewer occurrences than came due
+            if r.get("expected") and r["occurrences"] < 0.95 * r["expected"]:
+                shown = f"ran {r['occurrences']:,} of {r['expected']:,} due"
+                right.annotate(
+                    shown, (r["jobs"], r["p99_ms"]), textcoords="offset points", xytext=(-110, -4), fontsize=8
+                )
     for axes, label in ((left, "CPU seconds per hour"), (right, "start lateness p99, ms")):
         axes.set_xscale("log")
         axes.set_yscale("log")
