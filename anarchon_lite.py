@@ -2199,6 +2199,7 @@ _BOARD_SCHEMA = (
 _SQL_ENROL = "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (?, ?, ?, ?)"
 _SQL_MEMBERS = "SELECT instance, pid, start, namespace FROM members"
 _SQL_BOARD_LEASE = "SELECT until FROM leases WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
+_SQL_BOARD_LEASES_OF = "SELECT job, slot, attempt, until FROM leases WHERE owner = ?"
 _SQL_BOARD_RENEW = (
     "INSERT INTO leases (job, slot, attempt, owner, until) VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) "
     "DO UPDATE SET until = max(leases.until, excluded.until) WHERE leases.owner = excluded.owner"
@@ -2229,6 +2230,8 @@ class _Board:
     def __init__(self, path: str):
         self.path = path
         self._conn: sqlite3.Connection | None = None
+        self._members: tuple[int, set[_Member]] | None = None  # (the data_version they were read at, them)
+        self._purged = _NEVER  # when (lease clock) expired leases were last deleted
 
     @classmethod
     def of(cls, directory: str | None, identity: tuple[int, int], boot_id: str | None) -> _Board | None:
@@ -2294,10 +2297,18 @@ class _Board:
 
     def enrol(self, me: _Member) -> bool:
         """Make this process a member (before its join commits)."""
+        self._members = None  # (this connection's own write does not change its data_version)
         return self._write(lambda conn: conn.execute(_SQL_ENROL, me)) is not None
 
     def members(self) -> set[_Member]:
-        return {tuple(row) for row in self._read(_SQL_MEMBERS)}
+        """The members, read again only when another connection has written the board since (a
+        renewal behind a computing thread waits a switch interval for every call into SQLite)."""
+        version = self._read("PRAGMA data_version")
+        if not version:
+            return set()
+        if self._members is None or self._members[0] != version[0][0]:
+            self._members = (version[0][0], {tuple(row) for row in self._read(_SQL_MEMBERS)})
+        return self._members[1]
 
     def until(self, run: _RunRow) -> float | None:
         """Until when (lease clock) the board says ``run``'s owner holds it, if it says."""
@@ -2314,14 +2325,17 @@ class _Board:
         committed while the lease it extends (the board's, else the file's) still held."""
 
         def work(conn: sqlite3.Connection) -> list[float]:
-            conn.execute(_SQL_BOARD_PURGE, (clock() - 60.0,))
-            held = []
-            for claim, until, in_file in renewals:
-                key = (claim.job, claim.slot, claim.attempt)
-                row = conn.execute(_SQL_BOARD_LEASE, (*key, owner)).fetchone()
-                held.append(max(row[0] if row else _NEVER, _NEVER if in_file is None else in_file))
-                conn.execute(_SQL_BOARD_RENEW, (*key, owner, until))
-            return held
+            now = clock()
+            if now - self._purged > 10.0:
+                conn.execute(_SQL_BOARD_PURGE, (now - 60.0,))
+                self._purged = now
+            mine = {(j, s, a): u for j, s, a, u in conn.execute(_SQL_BOARD_LEASES_OF, (owner,))}
+            keys = [(claim.job, claim.slot, claim.attempt) for claim, _, _ in renewals]
+            conn.executemany(_SQL_BOARD_RENEW, [(*key, owner, until) for key, (_, until, _) in zip(keys, renewals)])
+            return [
+                max(mine.get(key, _NEVER), _NEVER if in_file is None else in_file)
+                for key, (_, _, in_file) in zip(keys, renewals)
+            ]
 
         held = self._write(work)
         if held is None:
@@ -2383,6 +2397,8 @@ class _SQLiteStore(_SQLStore):
         self._board_dir = board_dir  # where the lease board lives (None: renew in the file only)
         self._board: _Board | None = None
         self._on_board = False  #: the last renewal was made on the board (progress goes there too)
+        # What a renewal on the board last read of the file: (data_version, owner, processes, held runs)
+        self._snapshot: tuple[int, str, set[_Member], dict[tuple[str, int, int], tuple[float, float]]] | None = None
         # When this process joined (lease clock): an owner not on our board may have renewed
         # elsewhere until then, and its runs count as leased until then + their lease.
         self._joined_at = self._clock.monotonic()
@@ -2529,6 +2545,7 @@ class _SQLiteStore(_SQLStore):
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        self._snapshot = None  # (a new connection counts its data_version afresh)
         if self._board is not None:
             self._board.close()
 
@@ -2659,14 +2676,8 @@ class _SQLiteStore(_SQLStore):
         if board is None:
             return None
         stamp = self._clock.monotonic()  # (before the file is read: see the lease board)
-        conn = self._connect()
         try:
-            conn.execute("BEGIN")  # one snapshot of the processes and of the runs held
-            try:
-                processes = {tuple(row) for row in conn.execute(_SQL_INSTANCE_IDS)}
-                held = {(j, s, a): (until, lease) for j, s, a, until, lease in conn.execute(_SQL_HELD_BY, (owner,))}
-            finally:
-                conn.execute("COMMIT")
+            processes, held = self._file_snapshot(owner, claims)
         except sqlite3.Error as exc:
             _log.debug("renewal on the lease board: the file could not be read: %s", exc)
             return None
@@ -2677,6 +2688,31 @@ class _SQLiteStore(_SQLStore):
         if not board.renew(owner, renewals, self._clock.monotonic):
             return None
         return [c for c, k in zip(claims, keys) if k not in held]
+
+    def _file_snapshot(
+        self, owner: str, claims: Sequence[_Claim]
+    ) -> tuple[set[_Member], dict[tuple[str, int, int], tuple[float, float]]]:
+        """The processes of the file and the runs ``owner`` holds (their lease's end and length),
+        in one snapshot; read again unless no other connection has committed since and it holds
+        every claim (this connection's own renewals in the file only make the cached ends older:
+        never too late; a claim this connection made itself is read)."""
+        conn = self._connect()
+        version = int(conn.execute("PRAGMA data_version").fetchone()[0])
+        cached = self._snapshot
+        if (
+            cached is not None
+            and cached[:2] == (version, owner)
+            and all((c.job, c.slot, c.attempt) in cached[3] for c in claims)
+        ):
+            return cached[2], cached[3]
+        conn.execute("BEGIN")
+        try:
+            processes: set[_Member] = {tuple(row) for row in conn.execute(_SQL_INSTANCE_IDS)}
+            held = {(j, s, a): (until, lease) for j, s, a, until, lease in conn.execute(_SQL_HELD_BY, (owner,))}
+        finally:
+            conn.execute("COMMIT")
+        self._snapshot = (version, owner, processes, held)
+        return processes, held
 
     def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
         board = self._the_board()
