@@ -2199,9 +2199,8 @@ _BOARD_SCHEMA = (
 _SQL_ENROL = "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (?, ?, ?, ?)"
 _SQL_MEMBERS = "SELECT instance, pid, start, namespace FROM members"
 _SQL_BOARD_LEASE = "SELECT until FROM leases WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
-_SQL_BOARD_LEASES_OF = "SELECT job, slot, attempt, until FROM leases WHERE owner = ?"
-_SQL_BOARD_RENEW = (
-    "INSERT INTO leases (job, slot, attempt, owner, until) VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) "
+_SQL_BOARD_RENEW = (  # {rows}: one (?, ?, ?, ?, ?) per lease: one statement, one call into SQLite
+    "INSERT INTO leases (job, slot, attempt, owner, until) VALUES {rows} ON CONFLICT (job, slot, attempt) "
     "DO UPDATE SET until = max(leases.until, excluded.until) WHERE leases.owner = excluded.owner"
 )
 _SQL_BOARD_PROGRESS = (
@@ -2318,30 +2317,22 @@ class _Board:
     def leases(self) -> dict[tuple[str, int, int], _BoardLease]:
         return {(j, s, a): _BoardLease(o, u, (d, t)) for j, s, a, o, u, d, t in self._read(_SQL_BOARD_LEASES)}
 
-    def renew(
-        self, owner: str, renewals: Sequence[tuple[_Claim, float, float | None]], clock: Callable[[], float]
-    ) -> bool:
-        """Write each ``(claim, until, lease in the file)``; True only if every renewal counts:
-        committed while the lease it extends (the board's, else the file's) still held."""
-
-        def work(conn: sqlite3.Connection) -> list[float]:
-            now = clock()
+    def renew(self, owner: str, leases: Sequence[tuple[tuple[str, int, int], float]], now: float) -> bool:
+        """Extend each ``((job, slot, attempt), until)`` of ``owner``'s, in one statement; False if
+        that failed. (Now and then, first, the leases that expired a minute before ``now`` go.)"""
+        conn = self._connect(create=True)
+        if conn is None:
+            return False
+        rows = ", ".join(["(?, ?, ?, ?, ?)"] * len(leases))
+        try:
             if now - self._purged > 10.0:
                 conn.execute(_SQL_BOARD_PURGE, (now - 60.0,))
                 self._purged = now
-            mine = {(j, s, a): u for j, s, a, u in conn.execute(_SQL_BOARD_LEASES_OF, (owner,))}
-            keys = [(claim.job, claim.slot, claim.attempt) for claim, _, _ in renewals]
-            conn.executemany(_SQL_BOARD_RENEW, [(*key, owner, until) for key, (_, until, _) in zip(keys, renewals)])
-            return [
-                max(mine.get(key, _NEVER), _NEVER if in_file is None else in_file)
-                for key, (_, _, in_file) in zip(keys, renewals)
-            ]
-
-        held = self._write(work)
-        if held is None:
+            conn.execute(_SQL_BOARD_RENEW.format(rows=rows), [v for key, until in leases for v in (*key, owner, until)])
+        except sqlite3.Error as exc:
+            _log.debug("lease board write failed: %s", exc)
             return False
-        committed = clock()
-        return all(committed < until for until in held)
+        return True
 
     def report(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> bool:
         """Keep an attempt's progress with its lease; False if the board has no lease of it."""
@@ -2376,6 +2367,7 @@ class _SQLiteStore(_SQLStore):
         autocheckpoint: bool = True,
         clock: Clock | None = None,
         board_dir: str | None = None,
+        granted: dict[tuple[str, int, int], float] | None = None,
     ):
         self.path = path
         # Leases are stamped and compared on this clock's ``monotonic()``: on Linux one clock for
@@ -2397,8 +2389,12 @@ class _SQLiteStore(_SQLStore):
         self._board_dir = board_dir  # where the lease board lives (None: renew in the file only)
         self._board: _Board | None = None
         self._on_board = False  #: the last renewal was made on the board (progress goes there too)
-        # What a renewal on the board last read of the file: (data_version, owner, processes, held runs)
-        self._snapshot: tuple[int, str, set[_Member], dict[tuple[str, int, int], tuple[float, float]]] | None = None
+        # What a renewal on the board last read of the file: (data_version, owner, whether every
+        # process of the file is a member of the board, the runs held: their lease's end and length)
+        self._snapshot: tuple[int, str, bool, dict[tuple[str, int, int], tuple[float, float]]] | None = None
+        # Until when this process's last counted renewals on the board hold, by attempt (shared by
+        # its heartbeat thread's store and its event loop's: either may renew a round)
+        self._granted: dict[tuple[str, int, int], float] = {} if granted is None else granted
         # When this process joined (lease clock): an owner not on our board may have renewed
         # elsewhere until then, and its runs count as leased until then + their lease.
         self._joined_at = self._clock.monotonic()
@@ -2667,35 +2663,48 @@ class _SQLiteStore(_SQLStore):
     def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
         lost = self._renew_on_board(owner, claims)
         self._on_board = lost is not None
-        return super().renew_all(owner, claims) if lost is None else lost
+        if lost is not None:
+            return lost
+        self._snapshot = None  # (our own commit leaves data_version alone: read the new ends next time)
+        return super().renew_all(owner, claims)
 
     def _renew_on_board(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim] | None:
         """Renew on the board if every process of the file is a member of it; the claims no longer
-        held (as the file says), or None: renew in the file."""
+        held (as the file says), or None: renew in the file. A renewal counts only if it committed
+        before the lease it extends ran out (see the lease board)."""
         board = self._the_board()
         if board is None:
             return None
         stamp = self._clock.monotonic()  # (before the file is read: see the lease board)
         try:
-            processes, held = self._file_snapshot(owner, claims)
+            members, held = self._file_snapshot(owner, claims, board)
         except sqlite3.Error as exc:
             _log.debug("renewal on the lease board: the file could not be read: %s", exc)
             return None
-        if self._member(owner) not in processes or not processes <= board.members():
+        if not members:
             return None
         keys = [(c.job, c.slot, c.attempt) for c in claims]
-        renewals = [(c, stamp + held[k][1], held[k][0]) for c, k in zip(claims, keys) if k in held]
-        if not board.renew(owner, renewals, self._clock.monotonic):
+        leases = [(k, stamp + held[k][1]) for k in keys if k in held]
+        if not board.renew(owner, leases, stamp):
             return None
+        committed = self._clock.monotonic()
+        if any(committed >= max(self._granted.get(k, _NEVER), held[k][0]) for k, _ in leases):
+            return None
+        for key in list(self._granted):  # (a copy made at once: the other renewing thread may write it)
+            if key not in held:
+                self._granted.pop(key, None)
+        self._granted.update(leases)
         return [c for c, k in zip(claims, keys) if k not in held]
 
     def _file_snapshot(
-        self, owner: str, claims: Sequence[_Claim]
-    ) -> tuple[set[_Member], dict[tuple[str, int, int], tuple[float, float]]]:
-        """The processes of the file and the runs ``owner`` holds (their lease's end and length),
-        in one snapshot; read again unless no other connection has committed since and it holds
-        every claim (this connection's own renewals in the file only make the cached ends older:
-        never too late; a claim this connection made itself is read)."""
+        self, owner: str, claims: Sequence[_Claim], board: _Board
+    ) -> tuple[bool, dict[tuple[str, int, int], tuple[float, float]]]:
+        """Whether every process of the file, ``owner``'s included, is a member of ``board``, and
+        the runs ``owner`` holds (their lease's end and length), from one snapshot of the file;
+        read again unless no other connection has committed since and it holds every claim (a
+        claim this connection made itself is read; its own renewals in the file make the next
+        round read again). A process that was a member stays one: only processes that have the
+        board open write its members."""
         conn = self._connect()
         version = int(conn.execute("PRAGMA data_version").fetchone()[0])
         cached = self._snapshot
@@ -2711,8 +2720,9 @@ class _SQLiteStore(_SQLStore):
             held = {(j, s, a): (until, lease) for j, s, a, until, lease in conn.execute(_SQL_HELD_BY, (owner,))}
         finally:
             conn.execute("COMMIT")
-        self._snapshot = (version, owner, processes, held)
-        return processes, held
+        members = self._member(owner) in processes and processes <= board.members()
+        self._snapshot = (version, owner, members, held)
+        return members, held
 
     def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
         board = self._the_board()
@@ -3094,6 +3104,7 @@ class _SQLite(_Backend):
         self._read_only, self._retention = read_only, retention
         self._synchronous = "FULL" if durability == "full" else "NORMAL"
         self._board_dir = os.environ.get("ANARCHON_BOARD_DIR", _BOARD_DIR)
+        self._granted: dict[tuple[str, int, int], float] = {}  # (see _SQLiteStore: its renewing stores share it)
 
     def main(self) -> _Store:
         store = _SQLiteStore(
@@ -3116,6 +3127,7 @@ class _SQLite(_Backend):
             autocheckpoint=False,
             clock=self._clock,
             board_dir=self._board_dir,
+            granted=self._granted,
         )
 
     def fallback(self) -> _Store:  # never waits for the lock
@@ -3126,6 +3138,7 @@ class _SQLite(_Backend):
             autocheckpoint=False,
             clock=self._clock,
             board_dir=self._board_dir,
+            granted=self._granted,
         )
 
     def changes(
