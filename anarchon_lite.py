@@ -2169,12 +2169,12 @@ def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
 # a renewal on the board lasts the lease from the instant before the owner read the file.
 #
 # Takeover against a renewal: an owner's renewal on the board counts only if it committed before
-# the lease it held ran out (the board's lease or the file's, read before the write, on the shared
-# monotonic clock); a taker reads the clock, then the lease, and takes over only when the lease
-# ended before that reading. A renewal committed after the taker read the board finished after that
-# lease ran out, so it does not count: the owner renews in the file instead, where the claim's
-# compare-and-set decides between them. Readers never wait (WAL), so a process frozen in the middle
-# of a write never stops a takeover; writers that find the board locked renew in the file.
+# the lease it held ran out (its last counted renewal on the board, or the file's lease, on the
+# shared monotonic clock); a taker reads the clock, then the lease, and takes over only when the
+# lease ended before that reading. A renewal committed after the taker read the board finished
+# after that lease ran out, so it does not count: the owner renews in the file instead, where the
+# claim's compare-and-set decides between them. Readers never wait (WAL), so a process frozen in the
+# middle of a write never stops a takeover; writers that find the board locked renew in the file.
 _BOARD_DIR = "/dev/shm"
 _NEVER = float("-inf")
 _BOARD_SCHEMA = (
