@@ -1917,6 +1917,7 @@ _WAL_LIMIT = 1024 * 1024
 # changes about nine (a job row, a run row, a history record, their indexes): 1 KiB each instead of
 # SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
 _PAGE_SIZE = 1024
+_OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteStore._connect)
 _SQL_DECLARATIONS_TABLE = """CREATE TABLE IF NOT EXISTS declarations (
         job TEXT NOT NULL,
         instance TEXT NOT NULL,
@@ -2424,21 +2425,32 @@ class _SQLiteStore(_SQLStore):
                 pass
             except OSError as exc:
                 raise StoreError(self.path, f"cannot create the database file: {exc.strerror}") from None
-        try:
-            conn = sqlite3.connect(real, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
-            raise StoreError(self.path, f"cannot open the database: {self._explain(exc)}") from None
-        try:
-            conn.create_function("lease_clock", 0, self._clock.monotonic)
-            self._prepare(conn)
-            if self._lock_poll:
-                conn.execute("PRAGMA busy_timeout = 0")  # writes look for the lock themselves
-            status = os.stat(self.path)
-        except BaseException:
-            conn.close()
-            raise
-        self._conn, self._identity = conn, (status.st_dev, status.st_ino)
-        return conn
+        # Several processes opening a new file at once race to switch it to WAL, and the loser can
+        # get a transient "disk I/O error" (seen once in CI, four load-test workers on one new
+        # file): such an opening is tried again, with a new connection, for up to _OPEN_RETRY s.
+        deadline = time.monotonic() + _OPEN_RETRY
+        while True:
+            try:
+                conn = sqlite3.connect(real, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False)
+            except sqlite3.Error as exc:
+                raise StoreError(self.path, f"cannot open the database: {self._explain(exc)}") from None
+            try:
+                conn.create_function("lease_clock", 0, self._clock.monotonic)
+                self._prepare(conn)
+                if self._lock_poll:
+                    conn.execute("PRAGMA busy_timeout = 0")  # writes look for the lock themselves
+                status = os.stat(self.path)
+            except StoreError as exc:
+                conn.close()
+                if "disk I/O error" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                _pause(0.02)
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            self._conn, self._identity = conn, (status.st_dev, status.st_ino)
+            return conn
 
     def _connect_read_only(self) -> sqlite3.Connection:
         """Open the file only to read it: nothing is created, switched or migrated. In a directory

@@ -488,3 +488,27 @@ def test_the_leases_of_ended_attempts_leave_the_board_a_minute_after_they_expire
     clock.advance(30 + 61)
     assert a.renew_all(OWNER, [second]) == []  # (still held; its lease had run out: renewed in the file)
     assert set(board.leases()) == {("job", 2000, 1)}
+
+
+def test_a_transient_io_error_while_opening_a_new_file_is_tried_again(db, monkeypatch):
+    """Processes opening a new file at once race to switch it to WAL, and the loser can get a
+    "disk I/O error" (once in CI: a load-test worker died of it at start). The opening is tried
+    again with a new connection; an error that lasts is still reported, naming the file."""
+    real = al._switch_to_wal
+    failures = [2]
+
+    def racing(conn, path, timeout):
+        if failures[0]:
+            failures[0] -= 1
+            raise sqlite3.OperationalError("disk I/O error")
+        real(conn, path, timeout)
+
+    monkeypatch.setattr(al, "_switch_to_wal", racing)
+    s = store(db)
+    assert failures == [0] and s.jobs()[0].name == "job"
+    s.close()
+    failures[0] = 10**6
+    monkeypatch.setattr(al, "_OPEN_RETRY", 0.2)
+    with pytest.raises(StoreError, match="disk I/O error") as info:
+        store(db)
+    assert info.value.path == db
