@@ -164,7 +164,12 @@ def test_a_schema_of_version_3_is_migrated_in_place_and_its_jobs_kept(url):
         return await s.status()
 
     before = run(declare())
-    sql(url, "DROP INDEX jobs_by_change")  # (what versions 4, 5 and 6 added, undone)
+    sql(url, "INSERT INTO history (job, slot, attempt, status, started_at) VALUES ('kept', 1000, 1, 'failed', 2000)")
+    sql(url, "DROP TRIGGER history_newest ON history")  # (what versions 4 to 7 added, undone)
+    sql(url, "DROP FUNCTION keep_newest")
+    sql(url, "ALTER TABLE jobs DROP COLUMN last_status")
+    sql(url, "ALTER TABLE jobs DROP COLUMN last_at")
+    sql(url, "DROP INDEX jobs_by_change")
     sql(url, "ALTER TABLE jobs DROP COLUMN changed")
     sql(url, "DROP TABLE totals")
     sql(url, "DROP TABLE declarations")
@@ -172,7 +177,7 @@ def test_a_schema_of_version_3_is_migrated_in_place_and_its_jobs_kept(url):
     sql(url, "UPDATE meta SET version = 3")
     after = run(declare())
     assert sql(url, "SELECT version FROM meta") == [(al.SCHEMA_VERSION,)]
-    assert sql(url, "SELECT name, changed FROM jobs") == [("kept", 1)]
+    assert sql(url, "SELECT name, changed, last_status, last_at FROM jobs") == [("kept", 1, "failed", 2000)]
     assert [(j.name, j.next_at) for j in after] == [(j.name, j.next_at) for j in before]
 
 

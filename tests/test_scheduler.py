@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import sqlite3
 import threading
 import time
 
@@ -1081,6 +1082,52 @@ def test_two_processes_declaring_one_job_differently_are_told(db, caplog):
     run(main())
 
 
+def test_many_jobs_declared_differently_are_told_in_a_few_lines(db, caplog):
+    """A deploy that changes a whole set of jobs while the old processes still run: each process
+    names the first three jobs declared otherwise and sums up the rest in one line (it was a line
+    per job: 10,000 lines for 10,000 jobs)."""
+    caplog.set_level(logging.WARNING, logger="anarchon_lite")
+
+    def told():
+        return [r.getMessage() for r in caplog.records if "declared differently" in r.getMessage()]
+
+    async def main():
+        a, b = make(db, instance="a"), make(db, instance="b")
+        for i in range(50):
+            a.every(f"job-{i:02}", "1h", lambda ctx: None, offset=QUIET)
+            b.every(f"job-{i:02}", "2h", lambda ctx: None, offset=QUIET)
+        read = []
+
+        def reading(original, since):
+            rows = original(since)
+            read.extend(rows)
+            return rows
+
+        inject(a, jobs=reading)
+        async with a, b:
+            await wait_for(lambda: len(told()) >= 8, message="both processes told")
+            await b.pause("job-07")  # a change to a row in dispute, which ``a`` reads again
+            await wait_for(lambda: any(row.name == "job-07" and row.paused for row in read), message="the change read")
+
+    run(main())
+    texts = told()
+    assert len(texts) == 8, texts
+    assert (
+        sum(
+            t.startswith("job ") and "this one (b) 'every 2h" in t and t.endswith("now holds this one's") for t in texts
+        )
+        == 3
+    )
+    assert (
+        sum(t.startswith("job ") and "this one (a) 'every 1h" in t and t.endswith("holds that one's") for t in texts)
+        == 3
+    )
+    assert "47 more jobs are declared differently by another process than by this one (b): 'job-03', 'job-04', " in (
+        "".join(texts)
+    )
+    assert any(t.startswith("47 more jobs") and "(a)" in t and t.endswith("the file holds that one's") for t in texts)
+
+
 def test_a_short_lease_started_beside_a_long_one_is_renewed_in_time(db):
     """The next round of renewals is planned for the attempts already running; one with a shorter
     lease that starts meanwhile must be renewed before its own lease runs out (else the other
@@ -1298,6 +1345,54 @@ def test_a_change_made_by_another_process_is_read_alone_not_with_every_job(store
 
     sizes = run(main())
     assert max(sizes) <= 2, f"rows per read after the first: {sizes}"
+
+
+def execute(store, statement, args=()):
+    """One statement (``?`` placeholders) on the store's tables, as another program writes them."""
+    if store.startswith("postgresql://"):
+        import pgserver
+
+        return pgserver.query(store, statement.replace("?", "%s"), args)
+    conn = sqlite3.connect(store, isolation_level=None)
+    try:
+        return conn.execute(statement, args).fetchall()
+    finally:
+        conn.close()
+
+
+def test_status_shows_each_jobs_newest_record_whoever_wrote_it(store):
+    """Each job's row keeps its newest record's status and start, which ``status`` reads (one scan
+    of the jobs, not a search of the history per job); the store keeps them whoever writes the
+    record: a process of this version, of the version before, or a person with a SQL shell. A
+    change to an older record leaves them alone."""
+
+    async def main():
+        s = make(store)
+        s.every("export", "24h", lambda ctx: None, offset=QUIET)
+        async with s:
+            slot = await s.trigger("export")
+            await wait_for(lambda: last_succeeded(s, "export", slot), message="its record")
+        return slot
+
+    slot = run(main())
+
+    def newest():
+        (job,) = run(make(store).status())
+        return job.last_status, None if job.last_at is None else int(job.last_at.timestamp() * 1000)
+
+    assert newest()[0] == "succeeded"
+    record = (
+        "INSERT INTO history (job, slot, attempt, status, instance, started_at) VALUES ('export', ?, ?, ?, 'old', ?)"
+    )
+    execute(store, record, (1000, 1, "running", 2000))
+    assert newest() == ("running", 2000)
+    execute(store, "UPDATE history SET status = 'interrupted' WHERE job = 'export' AND slot = ?", (slot,))
+    assert newest() == ("running", 2000)
+    execute(store, "UPDATE history SET status = 'failed' WHERE job = 'export' AND slot = 1000")
+    assert newest() == ("failed", 2000)
+    execute(store, record, (3000, 0, "missed", None))
+    assert newest() == ("missed", 3000)
+    assert execute(store, "SELECT last_status, last_at FROM jobs") == [("missed", 3000)]
 
 
 @pytest.mark.sqlite_only  # (the file written as a process of schema version 3 writes it)
