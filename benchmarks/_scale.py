@@ -4,9 +4,11 @@
 the time to start (declare, join, first look), the CPU per look and per hour, and how long
 ``status()`` and ``history(limit=20)`` take.
 
-``python _scale.py spread DB COUNT SECONDS``: COUNT jobs ``every 1m``, their offsets spread evenly
-over the minute, handlers that return at once; the CPU share of one core, the CPU per occurrence
-and how late each occurrence started (from its scheduled time to its handler's first line).
+``python _scale.py spread DB COUNT SECONDS [INTERVAL]``: COUNT jobs ``every INTERVAL`` (seconds;
+default 60), their offsets spread evenly over it, handlers that return at once; the CPU share of one
+core, the CPU per occurrence and how late each occurrence started (from its scheduled time to its
+handler's first line). With INTERVAL = COUNT / 10, ten occurrences fall due each second, one at a
+time, whatever COUNT: what an occurrence costs beside how many jobs are declared.
 
 ``python _scale.py burst DB COUNT AT UNTIL``: COUNT daily jobs all due at the Unix second AT, run by
 as many processes as the benchmark starts on one file; this one's starts, with how late each was, as
@@ -90,10 +92,11 @@ async def idle(kind: str, seconds: float) -> dict[str, Any]:
     }
 
 
-async def spread(seconds: float) -> dict[str, Any]:
+async def spread(seconds: float, interval: float) -> dict[str, Any]:
     scheduler = Scheduler(DB)
+    every_ms = int(interval * 1000)
     for i in range(COUNT):
-        scheduler.every(f"job-{i}", "1m", handler, offset=f"{i * 60_000 // COUNT}ms")
+        scheduler.every(f"job-{i}", f"{every_ms}ms", handler, offset=f"{i * every_ms // COUNT}ms")
     async with scheduler:
         await asyncio.sleep(5)  # settled: the first look and the occurrences it found late
         starts.clear()
@@ -103,6 +106,7 @@ async def spread(seconds: float) -> dict[str, Any]:
         ran = [late for _, late in starts]
     return {
         "jobs": COUNT,
+        "interval_s": interval,
         "occurrences": len(ran),
         "cpu_share": cpu / wall,
         "cpu_per_occurrence_ms": cpu / len(ran) * 1000 if ran else None,
@@ -179,7 +183,7 @@ if MODE == "idle":
 elif MODE == "history":
     result = asyncio.run(history(int(sys.argv[4])))
 elif MODE == "spread":
-    result = asyncio.run(spread(float(sys.argv[4])))
+    result = asyncio.run(spread(float(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 60.0))
 else:
     result = asyncio.run(burst(float(sys.argv[4]), float(sys.argv[5])))
 print(json.dumps(result), flush=True)

@@ -496,11 +496,20 @@ def _scale_run(*args: str, timeout: float = 600.0) -> dict[str, Any]:
 def scale(quick: bool, peers: bool = True) -> dict[str, Any]:
     """Many jobs, on SQLite: idle (10, 1,000 and 10,000 jobs, ``every`` and cron, none due: start,
     CPU per look and per hour, ``status()``); busy (as many jobs ``every 1m`` spread over the
-    minute: CPU share, CPU per occurrence, start lateness); 10,000 due in the same second (one and
+    minute: CPU share, CPU per occurrence, start lateness); steady (as many jobs, spread so that ten
+    fall due each second whatever their number: CPU per occurrence beside the number of jobs alone);
+    10,000 due in the same second (one and
     four processes); 10,000 jobs with 1,000,000 history records (the calls and the command line).
     With ``peers``, the busy workload on APScheduler 4 (SQLite) too, one process, the same spans."""
     idle_s, busy_s = (20.0, 30.0) if quick else (60.0, 120.0)
-    section: dict[str, Any] = {"idle": [], "busy": [], "burst": [], "history": {}, "busy_apscheduler4": []}
+    section: dict[str, Any] = {
+        "idle": [],
+        "busy": [],
+        "steady": [],
+        "burst": [],
+        "history": {},
+        "busy_apscheduler4": [],
+    }
     aps4 = None
     if peers:
         from peers import PEERS, venv_python
@@ -514,6 +523,11 @@ def scale(quick: bool, peers: bool = True) -> dict[str, Any]:
                 )
         with tempfile.TemporaryDirectory() as folder:
             section["busy"].append(_scale_run("spread", os.path.join(folder, "jobs.db"), str(count), str(busy_s)))
+        with tempfile.TemporaryDirectory() as folder:
+            every = str(count / 10)  # ten occurrences a second, one at a time
+            section["steady"].append(
+                _scale_run("spread", os.path.join(folder, "jobs.db"), str(count), str(busy_s), every)
+            )
         if aps4 is not None:
             from peers import spread
 
