@@ -4182,8 +4182,7 @@ class _Heartbeats(threading.Thread):
             self._loop_timer = None
         if self._loop_renewal is not None:
             self._loop_renewal.cancel()
-        if self._loop_store is not None:
-            self._loop_store.close()
+        self._close_loop_store()
 
     def reopen(self) -> None:
         """Close the connections to the file; the next renewal opens the path again (call on the
@@ -4192,8 +4191,14 @@ class _Heartbeats(threading.Thread):
             self._closed.clear()
             self._reopen = True
             self._cond.notify()
-        if self._loop_store is not None:
-            self._loop_store.close()
+        self._close_loop_store()
+
+    def _close_loop_store(self) -> None:
+        # (Under the lock: a thread that first ran after the stop, as under load it can, opened this
+        # connection after ``stop`` closed it, and closes it again as it ends; never both at once.)
+        with self._cond:
+            if self._loop_store is not None:
+                self._loop_store.close()
 
     def wait_closed(self, timeout: float) -> bool:
         """After ``reopen``: wait until the thread has closed its connection (call off the loop)."""
@@ -4359,7 +4364,10 @@ class _Heartbeats(threading.Thread):
         finally:
             with self._cond:
                 self._lower_near_round(None)
+                stopped = self._stopped
             self._store.close()
+            if stopped:
+                self._close_loop_store()
 
 
 class _Watchdog:

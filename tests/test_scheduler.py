@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 from conftest import QUIET, ManualClock, inject, run, wait_for
 
+import anarchon_lite as al
 from anarchon_lite import (
     Cancelled,
     Clock,
@@ -1248,22 +1250,23 @@ def test_jobs_no_running_process_declares_are_undeclared_refused_and_forgotten(d
     run(main())
 
 
+def open_files(db):
+    """The descriptors of this process open on the SQLite file ``db`` or its companions."""
+    if not db.endswith(".db"):
+        return []
+    where = "/proc/self/fd"
+    names = [os.readlink(f"{where}/{fd}") for fd in os.listdir(where) if os.path.exists(f"{where}/{fd}")]
+    return [name for name in names if name.startswith(db)]
+
+
 def test_close_stops_a_thread_scheduler_and_leaves_no_thread_or_file_open(db):
     """``close()`` ends a scheduler started in a thread and its store's thread and connection
     (a Flask app's teardown); ``Control`` closes as a context manager; a scheduler running on the
     caller's loop refuses to be closed under it."""
-    import os
-
     from anarchon_lite import Control
 
     def anarchon_threads():
         return [t.name for t in threading.enumerate() if t.name.startswith("anarchon")]
-
-    def open_files():
-        if not db.endswith(".db"):
-            return []
-        where = "/proc/self/fd"
-        return [os.readlink(f"{where}/{fd}") for fd in os.listdir(where) if os.path.exists(f"{where}/{fd}")]
 
     s = make(db)
     s.every("job", "24h", lambda ctx: None, offset=QUIET)
@@ -1272,7 +1275,7 @@ def test_close_stops_a_thread_scheduler_and_leaves_no_thread_or_file_open(db):
         assert [j.name for j in control.status()] == ["job"]
     s.close()
     assert anarchon_threads() == []
-    assert not [f for f in open_files() if f.startswith(db)]
+    assert open_files(db) == []
     s.close()  # (twice: nothing left to do)
 
     async def main():
@@ -1283,6 +1286,27 @@ def test_close_stops_a_thread_scheduler_and_leaves_no_thread_or_file_open(db):
     run(main())
     s.close()
     assert anarchon_threads() == []
+
+
+@pytest.mark.sqlite_only  # (descriptors of the file)
+def test_a_heartbeat_thread_that_first_runs_after_the_stop_leaves_no_connection_open(db, monkeypatch):
+    """Under load a scheduler's heartbeat thread can first run after the scheduler stopped (seen
+    once in CI): the connection it opens then for the event loop's renewals is closed too; it was
+    left open until garbage collection, four descriptors of the file."""
+    original = al._Heartbeats.run
+
+    def late(self):
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._stopped, timeout=30), "never stopped"
+        original(self)
+
+    monkeypatch.setattr(al._Heartbeats, "run", late)
+    s = make(db)
+    s.every("job", "24h", lambda ctx: None, offset=QUIET)
+    s.start_in_thread()
+    s.close()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("anarchon")] == []
+    assert open_files(db) == []
 
 
 @pytest.mark.sqlite_only  # (the scheduler's part: with poll= it looks every 20 ms on SQLite)
