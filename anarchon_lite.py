@@ -1417,19 +1417,21 @@ _SQL_JOB_STATUSES = (
     "SELECT name, schedule, paused, last_slot, next_slot, definition, declared_by, {undeclared}, last_status, "
     "last_at FROM jobs ORDER BY name"
 )
+_SQL_NEWEST_ID = "(SELECT max(id) FROM {schema}history x WHERE x.job = {job})"  # a job's newest record's id
 _SQL_JOB_STATUSES_BEFORE_7 = (  # (read-only, on a file of an earlier version whose processes still run)
     "SELECT jobs.name, jobs.schedule, jobs.paused, jobs.last_slot, jobs.next_slot, jobs.definition, "
     "jobs.declared_by, {undeclared}, h.status, COALESCE(h.started_at, h.slot) FROM jobs "
-    "LEFT JOIN history h ON h.id = (SELECT max(id) FROM history x WHERE x.job = jobs.name) ORDER BY jobs.name"
+    f"LEFT JOIN history h ON h.id = {_SQL_NEWEST_ID.format(schema='', job='jobs.name')} ORDER BY jobs.name"
 )
-# A job's newest record, kept in its row: a new record is always the newest (ids only grow), a
-# changed one is when it still has the job's largest id. (``{record}``: the record's row.)
+# A job's newest record, kept in its row by a trigger on ``history`` (``NEW``: the record written):
+# a new record is always the newest (ids only grow), a changed one is when it still has the job's
+# largest id. (``{schema}``: the schema's name and a dot, on PostgreSQL.)
 _SQL_KEEP_NEWEST = (
-    "UPDATE {schema}jobs SET last_status = {record}.status, last_at = COALESCE({record}.started_at, {record}.slot) "
-    "WHERE name = {record}.job"
+    "UPDATE {schema}jobs SET last_status = NEW.status, last_at = COALESCE(NEW.started_at, NEW.slot) "
+    "WHERE name = NEW.job"
 )
-_SQL_IS_NEWEST = "{record}.id = (SELECT max(id) FROM {schema}history WHERE job = {record}.job)"
-_SQL_NEWEST_RECORD = "FROM history h WHERE h.id = (SELECT max(id) FROM history x WHERE x.job = jobs.name)"
+_SQL_IS_NEWEST = "NEW.id = " + _SQL_NEWEST_ID.replace("{job}", "NEW.job")
+_SQL_NEWEST_RECORD = f"FROM history h WHERE h.id = {_SQL_NEWEST_ID.format(schema='', job='jobs.name')}"
 _SQL_FILL_NEWEST = (  # the same for every job at once (the migration to version 7)
     f"UPDATE jobs SET last_status = (SELECT h.status {_SQL_NEWEST_RECORD}), "
     f"last_at = (SELECT COALESCE(h.started_at, h.slot) {_SQL_NEWEST_RECORD})"
@@ -1486,7 +1488,7 @@ _SQL_END_ATTEMPT = (
 )
 # As _SQL_END_ATTEMPT when the record is already the job's newest (a short run: nothing recorded for
 # the job since it started): the record is changed in place, no index is touched.
-_SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = (SELECT max(id) FROM history WHERE job = ?)"
+_SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = {_SQL_NEWEST_ID.format(schema='', job='?')}"
 _SQL_SLOT_USED = (
     "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
 )
@@ -1942,9 +1944,7 @@ _SQL_DECLARATIONS_TABLE = """CREATE TABLE IF NOT EXISTS declarations (
         instance TEXT NOT NULL,
         PRIMARY KEY (job, instance)
     ) WITHOUT ROWID"""
-_SQLITE_KEEP_NEWEST, _SQLITE_IS_NEWEST = (
-    sql.format(schema="", record="NEW") for sql in (_SQL_KEEP_NEWEST, _SQL_IS_NEWEST)
-)
+_SQLITE_KEEP_NEWEST, _SQLITE_IS_NEWEST = (sql.format(schema="") for sql in (_SQL_KEEP_NEWEST, _SQL_IS_NEWEST))
 _SQLITE_NEWEST_TRIGGERS = (
     f"CREATE TRIGGER IF NOT EXISTS history_added AFTER INSERT ON history BEGIN {_SQLITE_KEEP_NEWEST}; END",
     (
@@ -2306,11 +2306,15 @@ class _Board:
         self._conn = conn
         return conn
 
-    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T | None:
+    def _write(self, work: Callable[[sqlite3.Connection], T], transaction: bool = True) -> T | None:
+        """``work``'s result, or None if the board could not be written. Without ``transaction``
+        each of its statements commits alone (two calls into SQLite fewer)."""
         conn = self._connect(create=True)
         if conn is None:
             return None
         try:
+            if not transaction:
+                return work(conn)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 result = work(conn)
@@ -2359,19 +2363,16 @@ class _Board:
     def renew(self, owner: str, leases: Sequence[tuple[tuple[str, int, int], float]], now: float) -> bool:
         """Extend each ``((job, slot, attempt), until)`` of ``owner``'s, in one statement; False if
         that failed. (Now and then, first, the leases that expired a minute before ``now`` go.)"""
-        conn = self._connect(create=True)
-        if conn is None:
-            return False
         rows = ", ".join(["(?, ?, ?, ?, ?)"] * len(leases))
-        try:
+
+        def work(conn: sqlite3.Connection) -> bool:
             if now - self._purged > 10.0:
                 conn.execute(_SQL_BOARD_PURGE, (now - 60.0,))
                 self._purged = now
             conn.execute(_SQL_BOARD_RENEW.format(rows=rows), [v for key, until in leases for v in (*key, owner, until)])
-        except sqlite3.Error as exc:
-            _log.debug("lease board write failed: %s", exc)
-            return False
-        return True
+            return True
+
+        return self._write(work, transaction=False) is not None
 
     def report(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> bool:
         """Keep an attempt's progress with its lease; False if the board has no lease of it."""
@@ -3213,8 +3214,8 @@ _PG_DECLARATIONS_TABLE = _SQL_DECLARATIONS_TABLE.replace(" WITHOUT ROWID", "")
 _PG_NEWEST_TRIGGER = (  # as _SQLITE_NEWEST_TRIGGERS (names qualified: whatever the writer's search_path)
     f"""CREATE FUNCTION keep_newest() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
-        IF TG_OP = 'INSERT' OR {_SQL_IS_NEWEST.format(schema="{schema}.", record="NEW")} THEN
-            {_SQL_KEEP_NEWEST.format(schema="{schema}.", record="NEW")};
+        IF TG_OP = 'INSERT' OR {_SQL_IS_NEWEST.format(schema="{schema}.")} THEN
+            {_SQL_KEEP_NEWEST.format(schema="{schema}.")};
         END IF;
         RETURN NULL;
     END $$""",
