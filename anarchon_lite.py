@@ -1418,23 +1418,25 @@ _SQL_JOB_STATUSES = (
     "last_at FROM jobs ORDER BY name"
 )
 _SQL_NEWEST_ID = "(SELECT max(id) FROM {schema}history x WHERE x.job = {job})"  # a job's newest record's id
+_SQL_JOBS_NEWEST_ID = _SQL_NEWEST_ID.format(schema="", job="jobs.name")  # (in a statement on ``jobs``)
+_SQL_RECORD_AT = "COALESCE({record}.started_at, {record}.slot)"  # what ``last_at`` keeps of a record
 _SQL_JOB_STATUSES_BEFORE_7 = (  # (read-only, on a file of an earlier version whose processes still run)
     "SELECT jobs.name, jobs.schedule, jobs.paused, jobs.last_slot, jobs.next_slot, jobs.definition, "
-    "jobs.declared_by, {undeclared}, h.status, COALESCE(h.started_at, h.slot) FROM jobs "
-    f"LEFT JOIN history h ON h.id = {_SQL_NEWEST_ID.format(schema='', job='jobs.name')} ORDER BY jobs.name"
+    f"jobs.declared_by, {{undeclared}}, h.status, {_SQL_RECORD_AT.format(record='h')} FROM jobs "
+    f"LEFT JOIN history h ON h.id = {_SQL_JOBS_NEWEST_ID} ORDER BY jobs.name"
 )
 # A job's newest record, kept in its row by a trigger on ``history`` (``NEW``: the record written):
 # a new record is always the newest (ids only grow), a changed one is when it still has the job's
 # largest id. (``{schema}``: the schema's name and a dot, on PostgreSQL.)
 _SQL_KEEP_NEWEST = (
-    "UPDATE {schema}jobs SET last_status = NEW.status, last_at = COALESCE(NEW.started_at, NEW.slot) "
+    f"UPDATE {{schema}}jobs SET last_status = NEW.status, last_at = {_SQL_RECORD_AT.format(record='NEW')} "
     "WHERE name = NEW.job"
 )
 _SQL_IS_NEWEST = "NEW.id = " + _SQL_NEWEST_ID.replace("{job}", "NEW.job")
-_SQL_NEWEST_RECORD = f"FROM history h WHERE h.id = {_SQL_NEWEST_ID.format(schema='', job='jobs.name')}"
+_SQL_NEWEST_RECORD = f"FROM history h WHERE h.id = {_SQL_JOBS_NEWEST_ID}"
 _SQL_FILL_NEWEST = (  # the same for every job at once (the migration to version 7)
     f"UPDATE jobs SET last_status = (SELECT h.status {_SQL_NEWEST_RECORD}), "
-    f"last_at = (SELECT COALESCE(h.started_at, h.slot) {_SQL_NEWEST_RECORD})"
+    f"last_at = (SELECT {_SQL_RECORD_AT.format(record='h')} {_SQL_NEWEST_RECORD})"
 )
 _SQL_NOT_DECLARED = (  # (``{live}``: the placeholders of the running processes' instances)
     "CASE WHEN EXISTS (SELECT 1 FROM declarations d WHERE d.job = jobs.name AND d.instance IN ({live})) "

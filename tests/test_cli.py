@@ -449,22 +449,33 @@ def alive(pid):
         return False
 
 
-@pytest.mark.parametrize("reaper", ["reaper", "no reaper"])
-def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, reaper):
+def start_marked_command(tmp_path, daemons, seconds, copies):
+    """``copies`` daemons of a crontab whose one job marks its start, sleeps ``seconds`` and marks its
+    end; the job triggered and started: (db, marks file, owner's pid, owner's children, the shell's pid)."""
     db, out = str(tmp_path / "jobs.db"), tmp_path / "marks.txt"
     crontab = tmp_path / "crontab"
     mark = f"echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}"
-    crontab.write_text(f"# name: once\n@every 24h {mark.format('start')}; sleep 6; {mark.format('end')}\n")
-    for _ in range(2):
+    crontab.write_text(f"# name: once\n@every 24h {mark.format('start')}; sleep {seconds}; {mark.format('end')}\n")
+    for _ in range(copies):
         daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "once" in cli(db, "status").stdout, what="registered")
-    time.sleep(0.5)  # both have joined
+
+    def joined():
+        said = json.loads(cli(db, "status", "--json").stdout) if os.path.exists(db) else {"jobs": []}
+        return [j["name"] for j in said["jobs"]] == ["once"] and len(said["processes"]) == copies
+
+    wait_until(joined, what="every copy to join")
     cli(db, "trigger", "once")
     wait_until(lambda: marks(out), what="attempt 1 to start")
     owner = owner_pid(db, "once")
     spawned = children(owner)
-    shell = [pid for pid, cmdline in spawned if "sleep 6" in cmdline]
+    shell = [pid for pid, cmdline in spawned if f"sleep {seconds}" in cmdline]
     assert shell, spawned
+    return db, out, owner, spawned, shell[0]
+
+
+@pytest.mark.parametrize("reaper", ["reaper", "no reaper"])
+def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, reaper):
+    db, out, owner, spawned, shell = start_marked_command(tmp_path, daemons, 6, copies=2)
     if reaper == "no reaper":  # the second line of defence alone: the takeover ends the old group
         for pid, cmdline in spawned:
             if "read -r word" in cmdline:
@@ -475,7 +486,7 @@ def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, r
     starts = {a: t for k, a, t in got if k == "start"}
     ends = {a: t for k, a, t in got if k == "end"}
     assert sorted(starts) == [1, 2] and 1 not in ends or ends[1] < starts[2], got
-    assert not alive(shell[0])
+    assert not alive(shell)
     if reaper == "no reaper":  # (with the reaper, it and the takeover race to end the group: either may)
         others = [p for p in daemons.procs if p.pid != owner]
         log = (tmp_path / f"daemon-{daemons.procs.index(others[0])}.log").read_text()
@@ -484,24 +495,14 @@ def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, r
 
 def test_after_kill_9_of_the_only_scheduler_its_command_is_ended_by_the_reaper(tmp_path, daemons):
     """No other process to take over: the reaper alone ends the command's group."""
-    db, out = str(tmp_path / "jobs.db"), tmp_path / "marks.txt"
-    crontab = tmp_path / "crontab"
-    mark = f"echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}"
-    crontab.write_text(f"# name: long\n@every 24h {mark.format('start')}; sleep 60; {mark.format('end')}\n")
-    daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "long" in cli(db, "status").stdout, what="registered")
-    cli(db, "trigger", "long")
-    wait_until(lambda: marks(out), what="the command to start")
-    owner = owner_pid(db, "long")
-    shell = [pid for pid, cmdline in children(owner) if "sleep 60" in cmdline]
-    assert shell, children(owner)
+    _, out, owner, _, shell = start_marked_command(tmp_path, daemons, 60, copies=1)
     try:
         os.kill(owner, signal.SIGKILL)
-        wait_until(lambda: not alive(shell[0]), what="the reaper to end the command")
+        wait_until(lambda: not alive(shell), what="the reaper to end the command")
         assert [k for k, _, _ in marks(out)] == ["start"]
     finally:
         with contextlib.suppress(OSError):
-            os.killpg(shell[0], signal.SIGKILL)
+            os.killpg(shell, signal.SIGKILL)
 
 
 def test_a_command_leaving_a_background_child_ends_when_its_shell_exits(tmp_path, daemons):

@@ -1250,6 +1250,10 @@ def test_jobs_no_running_process_declares_are_undeclared_refused_and_forgotten(d
     run(main())
 
 
+def anarchon_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("anarchon")]
+
+
 def open_files(db):
     """The descriptors of this process open on the SQLite file ``db`` or its companions."""
     if not db.endswith(".db"):
@@ -1264,9 +1268,6 @@ def test_close_stops_a_thread_scheduler_and_leaves_no_thread_or_file_open(db):
     (a Flask app's teardown); ``Control`` closes as a context manager; a scheduler running on the
     caller's loop refuses to be closed under it."""
     from anarchon_lite import Control
-
-    def anarchon_threads():
-        return [t.name for t in threading.enumerate() if t.name.startswith("anarchon")]
 
     s = make(db)
     s.every("job", "24h", lambda ctx: None, offset=QUIET)
@@ -1305,7 +1306,7 @@ def test_a_heartbeat_thread_that_first_runs_after_the_stop_leaves_no_connection_
     s.every("job", "24h", lambda ctx: None, offset=QUIET)
     s.start_in_thread()
     s.close()
-    assert [t.name for t in threading.enumerate() if t.name.startswith("anarchon")] == []
+    assert anarchon_threads() == []
     assert open_files(db) == []
 
 
@@ -1412,6 +1413,8 @@ def test_status_shows_each_jobs_newest_record_whoever_wrote_it(store):
     execute(store, record, (3000, 0, "missed", None))
     assert newest() == ("missed", 3000)
     assert execute(store, "SELECT last_status, last_at FROM jobs") == [("missed", 3000)]
+    execute(store, "UPDATE jobs SET last_status = 'cancelled'")  # (what status shows is the row's, not a search)
+    assert newest() == ("cancelled", 3000)
 
 
 @pytest.mark.sqlite_only  # (the file written as a process of schema version 3 writes it)
