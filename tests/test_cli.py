@@ -451,7 +451,7 @@ def alive(pid):
 
 def start_marked_command(tmp_path, daemons, seconds, copies):
     """``copies`` daemons of a crontab whose one job marks its start, sleeps ``seconds`` and marks its
-    end; the job triggered and started: (db, marks file, owner's pid, owner's children, the shell's pid)."""
+    end; the job triggered and started: (marks file, owner's pid, owner's children, the shell's pid)."""
     db, out = str(tmp_path / "jobs.db"), tmp_path / "marks.txt"
     crontab = tmp_path / "crontab"
     mark = f"echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}"
@@ -470,12 +470,12 @@ def start_marked_command(tmp_path, daemons, seconds, copies):
     spawned = children(owner)
     shell = [pid for pid, cmdline in spawned if f"sleep {seconds}" in cmdline]
     assert shell, spawned
-    return db, out, owner, spawned, shell[0]
+    return out, owner, spawned, shell[0]
 
 
 @pytest.mark.parametrize("reaper", ["reaper", "no reaper"])
 def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, reaper):
-    db, out, owner, spawned, shell = start_marked_command(tmp_path, daemons, 6, copies=2)
+    out, owner, spawned, shell = start_marked_command(tmp_path, daemons, 6, copies=2)
     if reaper == "no reaper":  # the second line of defence alone: the takeover ends the old group
         for pid, cmdline in spawned:
             if "read -r word" in cmdline:
@@ -495,7 +495,7 @@ def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, r
 
 def test_after_kill_9_of_the_only_scheduler_its_command_is_ended_by_the_reaper(tmp_path, daemons):
     """No other process to take over: the reaper alone ends the command's group."""
-    _, out, owner, _, shell = start_marked_command(tmp_path, daemons, 60, copies=1)
+    out, owner, _, shell = start_marked_command(tmp_path, daemons, 60, copies=1)
     try:
         os.kill(owner, signal.SIGKILL)
         wait_until(lambda: not alive(shell), what="the reaper to end the command")
