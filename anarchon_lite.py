@@ -124,6 +124,34 @@ DurationLike = Union[int, float, _dt.timedelta, str]
 ###############################################################################
 
 
+def _safe_text(value: object, limit: int | None = None) -> str:
+    """``value`` as text that every store, log, terminal and JSON takes, whatever it is: a ``str``
+    subclass is read as a plain ``str`` (its own methods may raise), an object whose ``str()``
+    raises is named by its type, a lone surrogate (a file name that is not UTF-8) and NUL (which
+    PostgreSQL's text refuses) become backslash escapes. Keeps the last ``limit`` characters. Never
+    raises."""
+    try:
+        text = str.__str__(value) if isinstance(value, str) else str(value)
+    except BaseException:  # noqa: BLE001 - any text at all beats an attempt without an end
+        text = f"<{_type_name(value)} whose str() raised>"
+    if limit is not None:
+        text = text[-limit:]
+    if text.isascii():
+        return text.replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def _type_name(value: object) -> str:
+    try:
+        return str.__str__(type(value).__name__)
+    except BaseException:  # noqa: BLE001 - a metaclass's name that raises
+        return "object"
+
+
+_ERROR_CHARS = 2000  # the end of a failure's text that its record keeps
+_OUTPUT_CHARS = 4096  # the end of a handler's result (or a command's output) that its record keeps
+
+
 class AnarchonError(Exception):
     """Base class of the errors this module raises for bad input or a broken store."""
 
@@ -160,7 +188,9 @@ class HandlerEscaped(Exception):
     on. ``exception`` is what the handler raised."""
 
     def __init__(self, exception: BaseException):
-        super().__init__(f"{type(exception).__name__}: {exception} (raised by the handler; the process carried on)")
+        super().__init__(
+            f"{_type_name(exception)}: {_safe_text(exception)} (raised by the handler; the process carried on)"
+        )
         self.exception = exception
 
 
@@ -1013,6 +1043,12 @@ class _End:
     not_before: int = 0
     output: str | None = None
 
+    def __post_init__(self) -> None:  # one end's text never fails a batch of ends (``_safe_text``)
+        for name, limit in (("error", _ERROR_CHARS), ("output", _OUTPUT_CHARS)):
+            text = getattr(self, name)
+            if text is not None:
+                object.__setattr__(self, name, _safe_text(text, limit))
+
 
 # The statuses a record ends with (``running`` is an attempt's record until its end is written).
 _ENDED = ("succeeded", "failed", "timed_out", "interrupted", "cancelled", "skipped", "missed")
@@ -1457,6 +1493,7 @@ _SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
 _SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock() FROM runs ORDER BY job, slot"
 _SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
 _SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
+_SQL_INSERT_DUE_RUN = _SQL_INSERT_RUN + " ON CONFLICT (job, slot) DO NOTHING"  # (already triggered by hand)
 _SQL_TAKE_RUN = (
     "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
     "owner_ns = ?, boot_id = ?, lease_until = lease_clock() + ?, lease = ?, started_at = ?, progress_done = NULL, "
@@ -1491,9 +1528,7 @@ _SQL_END_ATTEMPT = (
 # As _SQL_END_ATTEMPT when the record is already the job's newest (a short run: nothing recorded for
 # the job since it started): the record is changed in place, no index is touched.
 _SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = {_SQL_NEWEST_ID.format(schema='', job='?')}"
-_SQL_SLOT_USED = (
-    "SELECT 1 FROM runs WHERE job = ? AND slot = ? UNION ALL SELECT 1 FROM history WHERE job = ? AND slot = ?"
-)
+_SQL_SLOT_USED = "SELECT 1 FROM runs WHERE job = :job AND slot = :slot UNION ALL SELECT 1 FROM history WHERE job = :job AND slot = :slot"
 _SQL_HISTORY_COLUMNS = "job, slot, attempt, status, instance, started_at, finished_at, error, output"
 _SQL_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT ?"
 _SQL_JOB_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? ORDER BY id DESC LIMIT ?"  # (by index)
@@ -1685,7 +1720,8 @@ class _SQLStore(_Store):
         if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
             self._skip(conn, job, slot, owner, now_ms)
             return _Claimless.RECORDED
-        conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
+        if conn.execute(_SQL_INSERT_DUE_RUN, (job, slot, now_ms)).rowcount == 0:
+            return _Claimless.RECORDED  # a run of that very slot was triggered: it is claimed as pending
         return self._take(conn, job, slot, owner, due.lease, now_ms)
 
     def _take(self, conn: Any, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
@@ -1799,7 +1835,7 @@ class _SQLStore(_Store):
             if conn.execute(_SQL_JOB, (job,)).fetchone() is None:
                 raise JobNotFound("no such job in the database", job=job)
             slot = now_ms
-            while conn.execute(_SQL_SLOT_USED, (job, slot, job, slot)).fetchone():
+            while conn.execute(_SQL_SLOT_USED, {"job": job, "slot": slot}).fetchone():
                 slot += 1
             conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
             return slot
@@ -2501,7 +2537,7 @@ class _SQLiteStore(_SQLStore):
             raise StoreError(self.path, "no such database file")
         import urllib.parse
 
-        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        uri = "file:" + urllib.parse.quote(os.fsencode(os.path.abspath(self.path))) + "?mode=ro"
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.access(directory, os.W_OK) and not os.path.exists(self.path + "-wal"):
             uri += "&immutable=1"
@@ -2624,8 +2660,20 @@ class _SQLiteStore(_SQLStore):
         conn = self._connect()
         try:
             return conn.execute(sql, args).fetchall()
+        except sqlite3.OperationalError as exc:
+            if not str(exc).startswith("Could not decode"):
+                raise StoreError(self.path, _explain(exc)) from None
         except sqlite3.Error as exc:
             raise StoreError(self.path, _explain(exc)) from None
+        # Text that is not UTF-8, written by another program: read again, its bad bytes escaped (a
+        # text factory of Python's on every read would cost a status of 10,000 jobs a third more).
+        conn.text_factory = _lenient_text
+        try:
+            return conn.execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(self.path, _explain(exc)) from None
+        finally:
+            conn.text_factory = str
 
     def maintain(self) -> None:
         """Write the WAL back into the file once it holds twice ``_WAL_LIMIT``, never waiting for
@@ -2858,6 +2906,10 @@ def _real_path(path: str) -> str:
     return os.path.realpath(path)
 
 
+def _lenient_text(data: bytes) -> str:
+    return data.decode("utf-8", "backslashreplace")
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
     text = str(exc)
     return "locked" in text or "busy" in text
@@ -2902,14 +2954,14 @@ class _FileWatch:
             if fd < 0:
                 return None
             path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
-            directory = os.path.dirname(os.path.abspath(path)).encode()
+            directory = os.fsencode(os.path.dirname(os.path.abspath(path)))
             mask = cls._IN_MODIFY | cls._IN_MOVED_FROM | cls._IN_MOVED_TO | cls._IN_CREATE | cls._IN_DELETE
             if libc.inotify_add_watch(fd, directory, mask) < 0:
                 os.close(fd)
                 return None
         except (OSError, AttributeError):
             return None
-        watch = cls(fd, loop, os.path.basename(path).encode(), on_change)
+        watch = cls(fd, loop, os.fsencode(os.path.basename(path)), on_change)
         loop.add_reader(fd, watch._read)
         return watch
 
@@ -2977,7 +3029,7 @@ class _Liveness:
 
     def _where(self, name: str) -> str:
         path = os.path.join(self._dir, name)
-        if len(path.encode()) < 100 or self._dir_fd is None:
+        if len(os.fsencode(path)) < 100 or self._dir_fd is None:
             return path
         return f"/proc/self/fd/{self._dir_fd}/{name}"
 
@@ -4940,6 +4992,10 @@ class _Outcome:
     retryable: bool = False
     output: str | None = None
 
+    def __post_init__(self) -> None:  # whatever the handler handed back, text every store and log takes
+        self.error = None if self.error is None else _safe_text(self.error, _ERROR_CHARS)
+        self.output = None if self.output is None else _safe_text(self.output, _OUTPUT_CHARS)
+
 
 def _start_thread(
     handler: Handler,
@@ -4952,11 +5008,18 @@ def _start_thread(
         try:
             result = context.run(handler, ctx)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which judges it
-            loop.call_soon_threadsafe(_set_exception, future, _contained(exc))
+            _hand_back(loop, _set_exception, future, _contained(exc))
         else:
-            loop.call_soon_threadsafe(_set_result, future, result)
+            _hand_back(loop, _set_result, future, result)
 
     threading.Thread(target=body, name=f"anarchon-{ctx.job}", daemon=True).start()
+
+
+def _hand_back(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None], *args: Any) -> None:
+    """A thread handler's result, to its event loop. A loop already closed (the handler returned
+    after ``stop()`` gave up on it: its attempt was ended and fenced then) is told nothing."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(setter, *args)
 
 
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
@@ -4991,17 +5054,40 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
         return _Outcome(None)
     if isinstance(exc, Aborted):
         status = next(s for cls, s in _ABORT_STATUS.items() if isinstance(exc, cls))
-        return _Outcome(status, f"{type(exc).__name__}: {exc}", retryable=status == "timed_out")
+        return _Outcome(status, _said(exc), retryable=status == "timed_out")
+    output = _tail(_attribute(exc, "output"))
     if isinstance(exc, _PlainFailure):
-        return _Outcome("failed", str(exc), retryable=True, output=_tail(getattr(exc, "output", None)))
-    shown = exc.exception if isinstance(exc, HandlerEscaped) else exc  # the handler's traceback, not ours
-    lines = traceback.format_exception(type(shown), shown, shown.__traceback__)[-3:]
-    text = "".join(lines[:-1] + [f"{type(exc).__name__}: {exc}\n"] if shown is not exc else lines)
-    return _Outcome("failed", text.strip()[-2000:], retryable=True, output=_tail(getattr(exc, "output", None)))
+        return _Outcome("failed", _safe_text(exc), retryable=True, output=output)
+    return _Outcome("failed", _error_text(exc), retryable=True, output=output)
 
 
-def _tail(value: object, size: int = 4096) -> str | None:
-    return value[-size:] if isinstance(value, str) else None
+def _said(exc: BaseException) -> str:
+    """``Type: message`` of an exception, whatever its methods do."""
+    return f"{_type_name(exc)}: {_safe_text(exc)}"
+
+
+def _error_text(exc: BaseException) -> str:
+    """A failure as its record keeps it: the handler's last two frames (this module's own frames
+    left out: where the handler raised, not where the library awaited it), then ``Type: message``."""
+    shown = exc.exception if isinstance(exc, HandlerEscaped) else exc
+    try:
+        frames = [f for f in traceback.extract_tb(shown.__traceback__) if f.filename != __file__][-2:]
+        where = "".join(traceback.format_list(frames))
+    except BaseException:  # noqa: BLE001 - a traceback that cannot be read: the message alone
+        where = ""
+    return f"{where}{_said(exc)}".strip()[-_ERROR_CHARS:]
+
+
+def _attribute(value: object, name: str) -> object:
+    """``getattr(value, name, None)``, for objects whose attributes may raise."""
+    try:
+        return getattr(value, name, None)
+    except BaseException:  # noqa: BLE001 - a property that raises: as if it were not there
+        return None
+
+
+def _tail(value: object) -> str | None:
+    return _safe_text(value, _OUTPUT_CHARS) if isinstance(value, str) else None
 
 
 # Every attempt's start and end is logged, with ``extra`` fields (job, slot, attempt, status,
@@ -5236,9 +5322,9 @@ class _Runner:
         either: asyncio.Future[None] = loop.create_future()
         work.add_done_callback(lambda _work: _resolve(either))
         unhook = token.on_abort(lambda _reason: loop.call_soon_threadsafe(_resolve, either))
+        grace = attempt.job.options.grace
         try:
             await either
-            grace = attempt.job.options.grace
             if not work.done() and isinstance(token.reason, Shutdown):
                 grace = min(grace, self.grace)
             await self._within(work, grace)  # the grace to return by itself
@@ -5251,7 +5337,7 @@ class _Runner:
                 await asyncio.wait({work}, timeout=_LAST_WORDS)
         finally:
             unhook()
-        return _outcome(work, token, attempt.job.options.grace)
+        return _outcome(work, token, grace)
 
     async def _within(self, work: asyncio.Future[Any], seconds: float) -> None:
         """Wait up to ``seconds`` for ``work``; once the stop is hurried (a second SIGTERM or
@@ -5289,7 +5375,12 @@ class _Runner:
             try:
                 await self._finish(end)
                 break
-            except StoreError as exc:
+            except Exception as exc:  # noqa: BLE001 - a StoreError passes; anything else is this end's own
+                if not isinstance(exc, StoreError):  # the end as bare as can be: its status alone
+                    _log.exception(
+                        "%s slot %s: the end of attempt %s cannot be written", claim.job, claim.slot, claim.attempt
+                    )
+                    end = dataclasses.replace(end, error=f"(its text could not be stored: {_said(exc)})", output=None)
                 _log.error(
                     "%s slot %s: cannot record the end of attempt %s, retrying: %s",
                     claim.job,
@@ -5315,9 +5406,16 @@ class _Runner:
     async def _write_ends(self) -> None:
         await asyncio.sleep(0)  # the attempts ending in this turn of the loop join the batch
         batch, self._ends = self._ends, []
+        await self._write_batch(batch)
+
+    async def _write_batch(self, batch: list[tuple[_End, asyncio.Future[bool]]]) -> None:
         try:
             results = await self._link.call(lambda s: s.finish_many(self._instance, [end for end, _ in batch]))
         except BaseException as exc:  # every waiting attempt gets it (a StoreError: each retries)
+            if isinstance(exc, Exception) and not isinstance(exc, StoreError) and len(batch) > 1:
+                for one in batch:  # not the store: one end's own fault, never its neighbours'
+                    await self._write_batch([one])
+                return
             for _, future in batch:
                 _set_exception(future, exc)
             if not isinstance(exc, Exception):
@@ -5653,7 +5751,11 @@ class Scheduler:
         durability: Literal["full", "normal"] = "normal",
     ):
         self.path = os.fspath(path)
-        self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{random.randrange(16**4):04x}"
+        if instance is not None and not (
+            isinstance(instance, str) and instance.isprintable() and 0 < len(instance) <= 200
+        ):
+            raise ConfigError(f"must be printable text of 1 to 200 characters, not {instance!r}", option="instance")
+        self.instance = instance or f"{_safe_text(socket.gethostname())}-{os.getpid()}-{random.randrange(16**4):04x}"
         self._clock = clock or Clock()
         self._poll = 0.5 if poll is None else min(poll, 1.0)
         self._polling = poll is not None
@@ -7064,6 +7166,14 @@ def _when(moment: _dt.datetime | None, zone: _dt.tzinfo) -> str:
     return "-" if moment is None else moment.astimezone(zone).strftime("%a %Y-%m-%d %H:%M:%S %Z")
 
 
+def _left(moment: _dt.datetime | None, now: float) -> str:
+    """How long until ``moment``: ``5min left``, or, for a time already passed, ``5min late``."""
+    if moment is None:
+        return "-"
+    left = moment.timestamp() - now
+    return f"{_span(left)} left" if left >= 0 else f"{_span(-left)} late"
+
+
 def _span(seconds: float) -> str:
     """A stretch of time at a glance: ``45s``, ``12min 5s``, ``3h 12min``, ``2d 4h``."""
     seconds = abs(seconds)
@@ -7075,6 +7185,15 @@ def _span(seconds: float) -> str:
             more = whole % size // rest_size
             return f"{whole // size}{unit}" + (f" {more}{rest}" if more else "")
     return f"{whole}s"
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _terminal(text: str) -> str:
+    """Stored text as a terminal may show it: control characters (an escape sequence in a
+    command's output that would clear the screen or retitle the window) as ``\\xNN``."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def _table(rows: list[list[str]], below: dict[int, list[str]] | None = None) -> None:
@@ -7106,7 +7225,7 @@ def _print_status(jobs: list[JobStatus], processes: list[ProcessInfo], as_json: 
                 job.name,
                 job.state,
                 _when(following, zone),
-                "-" if following is None else f"{_span(following.timestamp() - now)} left",
+                _left(following, now),
                 _when(job.last_at, zone),
                 "-" if job.last_at is None else f"{_span(now - job.last_at.timestamp())} ago",
                 job.last_status or "-",
@@ -7170,14 +7289,15 @@ def _print_history(records: list[RunRecord], as_json: bool) -> None:
         f"{'JOB':<24} {'SCHEDULED (UTC)':<24} {'ATT':>3} {'STATUS':<11} {'DURATION':>9} {'INSTANCE':<28} ERROR / OUTPUT"
     )
     for r in records:
-        error = (r.error or "").splitlines()[-1][:60] if r.error else ""
-        last = (r.output or "").rstrip("\n").rsplit("\n", 1)[-1][:60]
+        error = _terminal(r.error.splitlines()[-1][:60]) if r.error else ""
+        last = _terminal((r.output or "").rstrip("\n").rsplit("\n", 1)[-1][:60])
         shown = error if not last else f"{error}  | {last}" if error else f"| {last}"
         at = r.scheduled_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
         took = "-"
         if r.started_at is not None and r.finished_at is not None:
             took = _elapsed((r.finished_at - r.started_at).total_seconds())
-        print(f"{r.job:<24} {at:<24} {r.attempt:>3} {r.status:<11} {took:>9} {(r.instance or '-'):<28} {shown}")
+        instance = _terminal(r.instance or "-")
+        print(f"{r.job:<24} {at:<24} {r.attempt:>3} {r.status:<11} {took:>9} {instance:<28} {shown}")
 
 
 def _print_records(records: list[RunRecord], as_json: bool) -> None:
@@ -7193,12 +7313,12 @@ def _print_records(records: list[RunRecord], as_json: bool) -> None:
         print(
             ("\n" if number else "") + f"{r.job}  slot {r.slot} ({r.scheduled_at.isoformat(timespec='milliseconds')})"
         )
-        print(f"  attempt {r.attempt}: {r.status} on {r.instance or '-'}, took {took}")
+        print(f"  attempt {r.attempt}: {r.status} on {_terminal(r.instance or '-')}, took {took}")
         print(f"  started {_when(r.started_at, _UTC)}, ended {_when(r.finished_at, _UTC)}")
         for title, text in (("error", r.error), ("output", r.output)):
             if text:
                 print(f"  {title}:")
-                print("\n".join(f"    {line}" for line in text.rstrip("\n").split("\n")))
+                print("\n".join(f"    {_terminal(line)}" for line in text.rstrip("\n").split("\n")))
 
 
 def _slot(text: str) -> int:
@@ -7359,6 +7479,12 @@ def _load_scheduler(target: str) -> Scheduler:
         raise ConfigError(f"module {module_name!r} has no attribute {attribute!r}")
     found = getattr(module, attribute)
     if not isinstance(found, Scheduler) and callable(found):
+        try:
+            inspect.signature(found).bind()
+        except TypeError as exc:
+            raise ConfigError(f"{target} must be a Scheduler or a function called without arguments ({exc})") from None
+        except ValueError:  # a builtin without a signature: it is called, and says so itself
+            pass
         found = found()
     if not isinstance(found, Scheduler):
         raise ConfigError(f"{target} is not a Scheduler")
@@ -7454,6 +7580,19 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     )
 
 
+def _count(most: int) -> Callable[[str], int]:
+    """An argument's type: a whole number from 1 to ``most`` (argparse says which, in one line)."""
+
+    def count(text: str) -> int:
+        import argparse
+
+        if not text.strip().isdigit() or not 1 <= int(text) <= most:
+            raise argparse.ArgumentTypeError(f"give a whole number from 1 to {most:,}, not {text!r}")
+        return int(text)
+
+    return count
+
+
 def _parser() -> argparse.ArgumentParser:
     import argparse  # here, not at the top: it is a tenth of the module's import time
 
@@ -7480,7 +7619,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     history = command("history", "run records, newest first")
     history.add_argument("--job", help="only this job's records")
-    history.add_argument("--limit", type=int, default=50, help="how many records (default: 50)")
+    history.add_argument(
+        "--limit", "-n", type=_count(1_000_000), default=50, help="how many records (default: 50, at most 1,000,000)"
+    )
     history.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     history.add_argument("--output", action="store_true", help="print each record whole, with its output and error")
     show = command("show", "one run's records whole: status, times, error and the output stored with it")
@@ -7489,7 +7630,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print a JSON list instead")
     upcoming = command("next", "the next occurrences of every job, or of one")
     upcoming.add_argument("name", nargs="?", help="only this job")
-    upcoming.add_argument("-n", type=int, default=1, metavar="N", help="how many occurrences of each (default: 1)")
+    upcoming.add_argument(
+        "-n", type=_count(1000), default=1, metavar="N", help="how many occurrences of each (default: 1, at most 1,000)"
+    )
     upcoming.add_argument("--utc", action="store_true", help="show times in UTC (default: each job's zone, else local)")
     upcoming.add_argument("--json", action="store_true", help="print a JSON list instead")
     for name, text in (
@@ -7526,9 +7669,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: ``python -m anarchon_lite --help``."""
+    for stream in (sys.stdout, sys.stderr):  # whatever the locale: text it cannot encode is escaped
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     args = _parser().parse_args(argv)
     try:
         return _command(args)
+    except BrokenPipeError:  # ``... | head``: the reader has what it wanted
+        with contextlib.suppress(OSError):  # (and Python's own flush at exit must not complain)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a shell reports a command ended by SIGPIPE
     except (AnarchonError, OSError) as exc:
         print(f"anarchon-lite: {exc}", file=sys.stderr)
         return 2
@@ -7568,15 +7718,14 @@ def _command(args: argparse.Namespace) -> int:
         print(control.prometheus(), end="")
     elif args.command == "status":
         _print_status(control.status(), control.processes(), args.json, args.utc)
-    elif args.command == "history" and args.output:
-        _print_records(control.history(args.job, args.limit), args.json)
     elif args.command == "history":
-        _print_history(control.history(args.job, args.limit), args.json)
+        records = control.history(args.job, args.limit)
+        if not records and args.job is not None and all(job.name != args.job for job in control.status()):
+            raise JobNotFound("no such job in the database", job=args.job)
+        (_print_records if args.output else _print_history)(records, args.json)
     elif args.command == "show":
         _show(control, args.name, args.slot, args.json)
     elif args.command == "next":
-        if args.n < 1:
-            raise ConfigError(f"-n {args.n}: give 1 or more")
         jobs = [j for j in control.status() if args.name in (None, j.name)]
         if args.name is not None and not jobs:
             raise JobNotFound("no such job in the database", job=args.name)

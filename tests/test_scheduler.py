@@ -457,6 +457,43 @@ def test_trigger_slots_are_unique(db, clock):
     run(main())
 
 
+def test_a_trigger_on_the_next_scheduled_millisecond_fails_no_claim(db, clock):
+    """A run triggered at the very millisecond of the job's next occurrence is that occurrence's
+    run (one run, not a failed claim), and the claims made beside it go on: an unrelated job due in
+    the same look runs, not ``missed``; the job's next occurrence is not ``skipped``."""
+    aligned(clock, HOUR)
+    ran = []
+
+    async def main():
+        s = make(db, clock)
+        s.every("t", "1h", lambda ctx: ran.append(("t", ctx.slot)))
+        s.every("other", "1h", lambda ctx: ran.append(("other", ctx.slot)))
+        await s.status()  # the jobs are in the store, from half a second before the hour
+        clock.advance(0.5)  # the very millisecond of the next occurrence, before any look
+        boundary = int(clock.time() * 1000)
+        assert boundary % 3_600_000 == 0
+        assert await s.trigger("t") == boundary
+        async with s:
+            await wait_for(lambda: _ended(s, 2), message="two ends")
+            next_slot(clock, HOUR)
+            await wait_for(lambda: _ended(s, 4), message="the next hour's two ends")
+            records = await s.history(limit=100)
+        later = boundary + 3_600_000
+        assert sorted(ran) == [("other", boundary), ("other", later), ("t", boundary), ("t", later)]
+        assert sorted((r.job, r.slot, r.status) for r in records) == [
+            ("other", boundary, "succeeded"),
+            ("other", later, "succeeded"),
+            ("t", boundary, "succeeded"),
+            ("t", later, "succeeded"),
+        ]
+
+    run(main())
+
+
+async def _ended(s, count):
+    return sum(r.status == "succeeded" for r in await s.history(limit=100)) >= count
+
+
 def test_graceful_stop_hands_over_with_checkpoint(db):
     log = []
 
