@@ -2,9 +2,17 @@
 attempt's bad end never touches another's (SPEC section 12), on both stores."""
 
 import asyncio
+import datetime as dt
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
-from conftest import QUIET, inject, run, wait_for
+from conftest import QUIET, inject, run, stop_processes, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler
@@ -163,3 +171,204 @@ def test_safe_text_is_total(value, expected):
     text = al._safe_text(value, 4 if expected == "é" * 4 else None)
     assert text == expected and type(text) is str
     text.encode("utf-8")  # never raises
+
+
+# -- the command line shows what is stored safely ---------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT}
+ANSI = "\x1b]0;pwned\x07\x1b[2Jdone"
+
+
+def anarchon(*args, stdout=subprocess.PIPE):
+    return subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        timeout=60,
+        check=False,
+    )
+
+
+def ran_once(store, handlers, times=1):
+    """Run each handler ``times`` (by trigger) and wait for every end."""
+
+    async def main():
+        s = Scheduler(store, poll=0.02)
+        for name, handler in handlers.items():
+            s.every(name, "24h", handler, offset=QUIET, overlap="allow")
+        async with s:
+            for _ in range(times):
+                for name in handlers:
+                    await s.trigger(name)
+            await wait_for(lambda: _all_ended(s, set(handlers), count=times), timeout=30, message="the ends")
+
+    run(main())
+
+
+def test_history_and_show_escape_control_characters(store):
+    async def ansi(ctx):
+        return ANSI
+
+    ran_once(store, {"ansi": ansi, "surrogate": raise_surrogate})
+    for args in (["history"], ["history", "--output"], ["show", "ansi"], ["show", "surrogate"]):
+        done = anarchon("--db", store, *args)
+        assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
+        assert "\x1b" not in done.stdout and "\x07" not in done.stdout, args
+    assert "\\x1b]0;pwned\\x07\\x1b[2Jdone" in anarchon("--db", store, "show", "ansi").stdout
+    assert "caf\\udce9.txt" in anarchon("--db", store, "show", "surrogate").stdout
+    shown = json.loads(anarchon("--db", store, "history", "--json").stdout)
+    assert {r["job"]: r["output"] for r in shown}["ansi"] == ANSI  # JSON carries the text itself, escaped by JSON
+
+
+@pytest.mark.sqlite_only  # PostgreSQL's text never holds bytes that are not UTF-8
+def test_stored_bytes_that_are_not_utf8_are_shown_escaped(store):
+    ran_once(store, {"fine": return_fine})
+    conn = sqlite3.connect(store)
+    with conn:
+        conn.execute("UPDATE history SET error = CAST(X'41ff42' AS TEXT)")
+    conn.close()
+    done = anarchon("--db", store, "history")
+    assert done.returncode == 0 and "A\\xffB" in done.stdout, done.stderr
+
+    async def read():
+        return await Scheduler(store).history()
+
+    assert run(read())[0].error == "A\\xffB"
+
+
+@pytest.mark.sqlite_only  # a file's name
+def test_a_database_path_that_is_not_utf8(tmp_path):
+    path = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"caf\xe9.db"))
+    ran_once(path, {"fine": return_fine})
+    done = subprocess.run(
+        [sys.executable.encode(), b"-m", b"anarchon_lite", b"--db", os.fsencode(path), b"history", b"--json"],
+        capture_output=True,
+        env=ENV,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [r["status"] for r in json.loads(done.stdout)] == ["succeeded"]
+
+
+def test_output_piped_to_a_reader_that_stops_early(store):
+    """``history --output | head -1``: no ``Broken pipe`` message, the exit status of a command
+    ended by SIGPIPE."""
+
+    async def big(ctx):
+        return "x" * 4000 + "\n"
+
+    ran_once(store, {"big": big}, times=30)  # 120 KB of output: more than a pipe holds
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "anarchon_lite", "--db", store, "history", "--output", "--limit", "30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    try:
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 141
+        assert proc.stderr.read() == b""
+    finally:
+        stop_processes([proc])
+
+
+def test_numbers_on_the_command_line_are_bounded(tmp_path):
+    db = str(tmp_path / "jobs.db")
+    for args, option in (
+        (["history", "--limit", "99999999999999999999"], "--limit"),
+        (["history", "-n", "0"], "--limit"),
+        (["next", "-n", "99999999999999999999"], "-n"),
+    ):
+        done = anarchon("--db", db, *args)
+        assert done.returncode == 2 and done.stdout == "", args
+        assert len(done.stderr.splitlines()) == 1 and option in done.stderr and "whole number" in done.stderr, args
+
+
+def test_history_of_an_unknown_job_is_refused_and_n_is_its_limit(store):
+    ran_once(store, {"fine": return_fine}, times=2)
+    done = anarchon("--db", store, "history", "--job", "nope")
+    assert done.returncode == 2 and done.stderr.strip() == "anarchon-lite: job 'nope': no such job in the database"
+    records = json.loads(anarchon("--db", store, "history", "--job", "fine", "-n", "1", "--json").stdout)
+    assert len(records) == 1
+
+
+def test_status_shows_a_next_time_that_has_passed_as_late(store):
+    async def once():  # one occurrence of a job every second, then no process runs it
+        s = Scheduler(store, poll=0.02)
+        s.every("often", "1s", return_fine)
+        async with s:
+            await wait_for(lambda: _all_ended(s, {"often"}), message="one run")
+
+    def overdue():
+        job = json.loads(anarchon("--db", store, "status", "--json").stdout)["jobs"][0]
+        return job["next_at"] is not None and dt.datetime.fromisoformat(job["next_at"]).timestamp() < time.time() - 1
+
+    run(once())
+    deadline = time.monotonic() + 30
+    while not overdue():
+        assert time.monotonic() < deadline, "the next occurrence never passed"
+        time.sleep(0.1)
+    line = next(line for line in anarchon("--db", store, "status").stdout.splitlines() if line.startswith("often"))
+    assert " late " in line and " left " not in line, line
+
+
+def test_run_of_a_function_that_needs_arguments_is_one_line(tmp_path):
+    (tmp_path / "needs.py").write_text(
+        "import anarchon_lite\n\ndef make(path):\n    return anarchon_lite.Scheduler(path)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "run", "needs:make"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "needs:make" in done.stderr and "'path'" in done.stderr
+
+
+def test_instance_must_be_printable_text(tmp_path):
+    for bad in ("a\udce9", "", "a\nb", "x" * 201):
+        with pytest.raises(al.ConfigError, match="option 'instance'"):
+            Scheduler(str(tmp_path / "jobs.db"), instance=bad)
+
+
+def test_a_thread_handler_returning_after_the_loop_closed_is_quiet(store):
+    """A plain-function handler still running when ``stop(grace)`` gives up returns later into a
+    closed event loop: nothing is printed; its record names the grace the stop used."""
+    release, started, crashes = threading.Event(), threading.Event(), []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: crashes.append(args)
+
+    def stubborn(ctx):
+        started.set()
+        release.wait(30)
+
+    async def main():
+        s = Scheduler(store, poll=0.02)
+        s.every("stubborn", "24h", stubborn, offset=QUIET)
+        async with s:
+            await s.trigger("stubborn")
+            await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
+            await s.stop(grace=0.3)
+        return await s.history("stubborn")
+
+    try:
+        records = run(main())
+        threads = [t for t in threading.enumerate() if t.name == "anarchon-stubborn"]
+        release.set()
+        for thread in threads:
+            thread.join(30)
+        assert threads and crashes == []
+    finally:
+        release.set()
+        threading.excepthook = old_hook
+    assert records[0].status == "interrupted"
+    assert "300ms grace" in records[0].error, records[0].error
