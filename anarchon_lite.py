@@ -45,6 +45,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -4857,8 +4858,12 @@ class RunContext:
     _store: Callable[[Callable[[_Store], Any]], Awaitable[Any]] = dataclasses.field(repr=False)
 
     def progress(self, done: float, total: float | None = None) -> None:
-        """Report progress; it travels with the next heartbeat, never as a write of its own."""
-        self._attempt.progress = (float(done), None if total is None else float(total))
+        """Report progress; it travels with the next heartbeat, never as a write of its own.
+        Raises ``ValueError`` for a number that is not finite (NaN has no place on a progress bar)."""
+        progress = (float(done), None if total is None else float(total))
+        if not all(math.isfinite(value) for value in progress if value is not None):
+            raise ValueError(f"job {self.job!r}: progress must be finite numbers, not {progress}")
+        self._attempt.progress = progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -6753,6 +6758,8 @@ def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
             value = assignment.group(2).strip()
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                 value = value[1:-1]
+            if "\0" in value:  # (no environment can carry it: every command would fail to start)
+                raise CrontabError(path, number, f"the value of {assignment.group(1)} has a NUL character in it")
             env[assignment.group(1)] = value
             if assignment.group(1) == "MAILTO" and value:
                 _log.warning(

@@ -372,3 +372,28 @@ def test_a_thread_handler_returning_after_the_loop_closed_is_quiet(store):
         threading.excepthook = old_hook
     assert records[0].status == "interrupted"
     assert "300ms grace" in records[0].error, records[0].error
+
+
+def test_a_crontab_variable_with_a_nul_is_refused_at_its_line(tmp_path):
+    crontab = tmp_path / "jobs.cron"
+    crontab.write_bytes(b"FOO=a\x00b\n@every 1s echo $FOO\n")
+    done = anarchon("crontab", "--check", str(crontab))
+    assert (
+        done.returncode == 2
+        and done.stderr.strip() == f"anarchon-lite: {crontab}:1: the value of FOO has a NUL character in it"
+    )
+
+
+def test_progress_that_is_not_a_finite_number_is_refused_to_the_handler(store):
+    said = []
+
+    async def report(ctx):
+        for bad in ((float("nan"), None), (1.0, float("inf"))):
+            try:
+                ctx.progress(*bad)
+            except ValueError as exc:
+                said.append(str(exc))
+        ctx.progress(1, 2)
+
+    ran_once(store, {"report": report})
+    assert len(said) == 2 and all(s.startswith("job 'report': progress must be finite") for s in said), said
