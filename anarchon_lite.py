@@ -3474,6 +3474,10 @@ def _is_postgres(path: str) -> bool:
     return path.startswith(("postgresql://", "postgres://"))
 
 
+_PG_CHANNEL = "anarchon_"  # the NOTIFY channel's name, before the schema's
+_PG_SECRETS = ("password", "sslpassword")  # the parameters of a URL that messages never show
+
+
 @dataclasses.dataclass
 class _PGTarget:
     """Where the state lives: the connection string, the schema, and the URL as messages show it."""
@@ -3489,14 +3493,22 @@ class _PGTarget:
         parts = urllib.parse.urlsplit(url)
         query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
         schema = next((v for k, v in query if k == "schema"), "anarchon")
-        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", schema):
+        if not re.fullmatch(r"[a-z_][a-z0-9_]*", schema):
             raise ConfigError(f"schema must be a lower-case SQL name, got {schema!r}", option="schema")
+        if len(_PG_CHANNEL + schema) > 63:  # the longest name made of it: PostgreSQL's limit is 63 bytes
+            raise ConfigError(
+                f"schema must be at most {63 - len(_PG_CHANNEL)} characters, got {schema!r}", option="schema"
+            )
         rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "schema"])
         conninfo = urllib.parse.urlunsplit(parts._replace(query=rest))
         netloc = parts.netloc.rsplit("@", 1)
         if len(netloc) == 2 and ":" in netloc[0]:
             netloc[0] = netloc[0].split(":", 1)[0] + ":***"
-        shown = urllib.parse.urlunsplit(parts._replace(netloc="@".join(netloc)))
+        shown_query = "&".join(  # (the query as given, but for the value of every secret)
+            f"{part.split('=', 1)[0]}=***" if urllib.parse.unquote(part.split("=", 1)[0]) in _PG_SECRETS else part
+            for part in parts.query.split("&")
+        )
+        shown = urllib.parse.urlunsplit(parts._replace(netloc="@".join(netloc), query=shown_query))
         return cls(conninfo, schema, shown)
 
     def connect(self, psycopg: Any) -> Any:
@@ -3747,7 +3759,7 @@ class _PGStore(_SQLStore):
 
 
 def _pg_channel(target: _PGTarget) -> str:
-    return f"anarchon_{target.schema}"
+    return _PG_CHANNEL + target.schema
 
 
 def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> int:

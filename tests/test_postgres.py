@@ -187,6 +187,37 @@ def test_the_url_password_never_shows_and_a_bad_schema_name_is_refused(pg_server
     assert "sslmode=require" in target.conninfo
     with pytest.raises(al.ConfigError, match="schema"):
         Scheduler("postgresql://db.example/app?schema=Robert'); DROP")
+    hidden = al._PGTarget.parse("postgresql://db.example/app?password=hunter2&sslpassword=key2&sslmode=require")
+    assert "hunter2" not in hidden.shown and "key2" not in hidden.shown and "sslmode=require" in hidden.shown
+
+
+def test_a_schema_name_too_long_for_the_names_made_of_it_is_refused(pg_server):
+    """The NOTIFY channel is ``anarchon_`` and the schema: PostgreSQL's names hold 63 bytes."""
+    longest = "s" * 54
+    Scheduler(pg_server.url(schema=longest))  # (nothing is written until it is used)
+    with pytest.raises(al.ConfigError, match="at most 54 characters"):
+        Scheduler(pg_server.url(schema=longest + "s"))
+
+    async def use():
+        s = Scheduler(pg_server.url(schema=longest))
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        await s.trigger("job")
+        return [job.name for job in await s.status()]
+
+    assert run(use()) == ["job"]
+
+
+def test_a_password_in_the_query_never_shows_in_an_error():
+    done = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "--db", "postgresql://me@127.0.0.1:1/app?password=hunter2", "status"],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "127.0.0.1" in done.stderr and "password=***" in done.stderr
+    assert "hunter2" not in done.stderr + done.stdout
 
 
 def test_without_psycopg_the_module_imports_and_a_url_says_what_to_install():
