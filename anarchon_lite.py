@@ -3560,21 +3560,43 @@ class _PGPrepared:
     def __init__(self, psycopg: Any):
         self._psycopg = psycopg
         self._on: Any = None  #: the libpq connection the names below were prepared on
-        self._names: dict[str, bytes] = {}
+        self._names: dict[str, bytes] = {}  #: the statements prepared on it, and their names
+        self._made = 0  #: names made on it so far (a name is never used twice on one connection)
 
     def run(self, pgconn: Any, sql: str, params: list[bytes | None]) -> Any:
         """Run ``sql`` (one call, the GIL let go while it waits; the first time on a connection, a
-        preparation before it); its libpq result, or the failed preparation's."""
+        preparation before it); its libpq result, or the failed preparation's.
+
+        The session's prepared statements may be gone under us: psycopg's own cache of the
+        connection sends ``DEALLOCATE ALL`` after any rolled-back transaction (a serialization
+        retry). A statement found missing is prepared again, under a new name, and run once more."""
         if self._on is not pgconn:
-            self._on, self._names = pgconn, {}
+            self._on, self._names, self._made = pgconn, {}, 0
+        result = self._run(pgconn, sql, params)
+        if result.status == self._psycopg.pq.ExecStatus.FATAL_ERROR and _sqlstate(result) == _PG_NO_STATEMENT:
+            self._names = {}
+            result = self._run(pgconn, sql, params)
+        return result
+
+    def _run(self, pgconn: Any, sql: str, params: list[bytes | None]) -> Any:
         name = self._names.get(sql)
         if name is None and len(self._names) < self._KEEP:
-            fresh = b"anarchon_%d" % len(self._names)
+            fresh = b"anarchon_%d" % self._made
+            self._made += 1
             prepared = pgconn.prepare(fresh, _pg_numbered(sql))
             if prepared.status != self._psycopg.pq.ExecStatus.COMMAND_OK:
                 return prepared
             name = self._names[sql] = fresh
         return pgconn.exec_params(_pg_numbered(sql), params) if name is None else pgconn.exec_prepared(name, params)
+
+
+_PG_NO_STATEMENT = "26000"  # invalid_sql_statement_name: "prepared statement ... does not exist"
+
+
+def _sqlstate(result: Any) -> str | None:
+    """The SQLSTATE of a libpq result (``PG_DIAG_SQLSTATE``), or None."""
+    code = result.error_field(ord("C"))
+    return None if code is None else bytes(code).decode("ascii", "replace")
 
 
 class _PGStore(_SQLStore):

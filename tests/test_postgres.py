@@ -377,3 +377,28 @@ def terminate_all_but_the_lock(url):
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'anarchon_lite' "
         "AND pid NOT IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory')",
     )
+
+
+def test_the_stores_prepared_statements_survive_a_deallocate_all(url):
+    """psycopg's cache of a connection sends ``DEALLOCATE ALL`` after every rolled-back transaction
+    (a serialization retry): the store's own prepared statements
+    on that connection go with them, and its next renewal, progress or process group must prepare
+    again rather than fail (a crontab on PostgreSQL failed most of its runs so)."""
+
+    async def declare():
+        s = Scheduler(url)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        await s.status()
+        return s
+
+    s = run(declare())
+    store = s._link.backend.main()
+    claim = al._Claim("job", 1, 1, 0)
+    try:
+        for reset in ("DEALLOCATE ALL", "DEALLOCATE ALL", None):
+            assert store.set_process_group(claim, "nobody", "group") is False  # (no such run: prepared, run)
+            if reset is not None:
+                store._connect().execute(reset)
+        assert store.set_process_group(claim, "nobody", "group") is False
+    finally:
+        store.close()
