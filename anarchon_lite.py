@@ -481,6 +481,14 @@ class CancelToken:
         return task.result()
 
 
+def _false() -> bool:
+    return False
+
+
+def _ignore(_value: object) -> None:
+    pass
+
+
 def _nothing() -> None:
     return None
 
@@ -1334,6 +1342,18 @@ class _Changes(abc.ABC):
     #: Whether ``owner_gone`` looks afresh each time it is asked (SQLite asks the kernel). If not,
     #: it answers as of the last read of the runs, and the loop reads them again to watch an owner.
     fresh_liveness = True
+
+    def settles_in(self, run: _RunRow) -> float:
+        """Seconds until ``owner_gone`` may call ``run``'s owner gone where it does not yet (a free
+        lock waiting out the owner's chance to notice it); infinity when nothing is waited for."""
+        return math.inf
+
+    def vouch_for(self, running: Callable[[], bool], lost: Callable[[str], None]) -> None:
+        """Where what proves this process's claims can end unseen (a server session), keep proving
+        it while ``running()`` and call ``lost(why)``, from any thread, as soon as it cannot."""
+
+    def attempt_started(self) -> None:
+        """An attempt began (``running()`` may have become true): prove the claims from now on."""
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -3408,6 +3428,7 @@ _PG_FORGET_GONE = "DELETE FROM instances WHERE instance != ? AND owner_gone(inst
 _PG_OTHERS = "SELECT count(*) FROM instances WHERE instance != ?"
 _PG_LEAVE = "DELETE FROM instances WHERE instance = ?"
 _PG_NEXT_KEY = "SELECT nextval('lock_keys')"
+_PG_IDLE_TIMEOUT = "SELECT setting::int FROM pg_settings WHERE name = 'idle_session_timeout'"  # (ms; 0: none)
 _PG_LOCK = "SELECT pg_try_advisory_lock({space}, ?)"
 _PG_RETRY = ("40001", "40P01")  # serialization failure, deadlock: run the transaction again
 
@@ -3816,14 +3837,28 @@ def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> int:
     return version
 
 
+# An owner's lock session can end where the owner cannot see it (a frozen network path, then the
+# server ends the session: pg_terminate_backend, a pooler recycling server connections, a
+# server-side keepalive). So while it runs attempts the owner proves its session with a round trip
+# on it every _PG_VOUCH / 4 and aborts them (LeaseLost) when none was answered for _PG_VOUCH;
+# another process takes a run over on a free lock only once it has seen the lock free for
+# _PG_VOUCH + _PG_VOUCH_MARGIN (or the lease ran out). The owner has stopped by then, kill -9 is
+# still taken over within about a second, and two attempts of a run never work at the same time.
+_PG_VOUCH = 0.5  # seconds: B, the longest an owner runs attempts without an answer from its lock session
+_PG_VOUCH_MARGIN = 0.25  # seconds: for the owner's thread to be late in noticing
+_PG_IDLE_PING = 30.0  # seconds between round trips on an idle lock session (within ``idle_session_timeout``)
+
+
 class _PGChanges(_Changes):
     """Changes in a PostgreSQL schema, and this process's advisory lock, on one connection.
 
-    A thread connects (again, with backoff, when the connection is lost), takes this process's
-    lock and LISTENs; the event loop then reads the socket: each notification bumps ``version()``
-    and calls ``on_change``. A lost connection (the server restarted, the backend was terminated,
-    keepalives found the server gone) is ``lost()`` at once: the lock is gone with it, so another
-    process may take this one's runs, and the scheduler aborts them.
+    A thread of its own connects (again, with backoff, after ``reset``), takes this process's lock,
+    LISTENs, and waits on the socket: each notification bumps ``version()`` and calls ``on_change``
+    on the loop. It sends a round trip every ``_PG_VOUCH / 4`` while this process runs attempts (and
+    one in a while when idle: ``idle_session_timeout`` ends a silent session). A lost connection, or
+    no answer for ``_PG_VOUCH`` while attempts run, is ``lost()`` and aborts the attempts at once,
+    from the thread (an event loop blocked by a handler cannot delay it): the lock may be free, and
+    another process may take the runs over once it has seen it so for ``_PG_VOUCH`` and a margin.
     """
 
     pushed = True
@@ -3834,22 +3869,37 @@ class _PGChanges(_Changes):
     ):
         self._target, self._identity, self._loop, self._on_change = target, identity, loop, on_change
         self._psycopg = _import_psycopg()
-        self._conn: Any = None
-        self._fd = -1
-        self._count = 0
-        self._lost: str | None = None
+        self._count = 0  #: bumped at each notification and each new session (read on the loop)
+        self._connected = False  #: whether the thread holds a session now
+        self._lost: str | None = None  #: why the last session was lost, until ``reset``
+        self._running: Callable[[], bool] = _false  #: whether attempts of this process run (``vouch_for``)
+        self._on_lost: Callable[[str], None] = _ignore  #: aborts them, from the thread
         self._closed = threading.Event()
-        self._connector: threading.Thread | None = None
-        self._connect_soon()
+        self._resume = threading.Event()  #: set by ``reset``: connect again after a loss
+        self._idle = _PG_IDLE_PING  #: seconds between round trips while no attempt runs
+        self._wake, self._waker = socket.socketpair()  #: wakes the thread: an attempt began, or ``close``
+        self._waker.setblocking(False)
+        #: when each run's owner was first seen with its lock free, by (job, slot, attempt)
+        self._free_since: dict[tuple[str, int, int], float] = {}
+        threading.Thread(target=self._serve, name="anarchon-listen", daemon=True).start()
 
-    # -- on the connector thread
+    def vouch_for(self, running: Callable[[], bool], lost: Callable[[str], None]) -> None:
+        self._running, self._on_lost = running, lost
 
-    def _connect_soon(self) -> None:
-        if self._connector is None or not self._connector.is_alive():
-            self._connector = threading.Thread(target=self._connect_until_done, name="anarchon-listen", daemon=True)
-            self._connector.start()
+    def attempt_started(self) -> None:
+        with contextlib.suppress(OSError):  # (full: the thread is woken already; closed: it has ended)
+            self._waker.send(b"!")
 
-    def _connect_until_done(self) -> None:
+    # -- on its thread
+
+    def _serve(self) -> None:
+        try:
+            self._sessions()
+        finally:
+            self._wake.close()
+            self._waker.close()
+
+    def _sessions(self) -> None:
         pause, failing, logged = 0.5, "", 0.0
         while not self._closed.is_set():
             try:
@@ -3869,11 +3919,25 @@ class _PGChanges(_Changes):
                 continue
             if failing:
                 _log.warning("%s: connected again", self._target.shown)
-            try:
-                self._loop.call_soon_threadsafe(self._attach, raw)
-            except RuntimeError:  # the loop is closed
+            failing, pause = "", 0.5
+            self._connected = True
+            self._identity.held.set()
+            self._count += 1
+            self._tell()
+            why = self._watch(raw)
+            self._identity.held.clear()
+            self._identity.key = None  # the lock went with the session: the next one takes a new key
+            self._connected = False
+            with contextlib.suppress(self._psycopg.Error):
                 raw.close()
-            return
+            if why is None:
+                return
+            self._lost = f"the connection to {self._target.shown} that holds this process's lock was lost ({why})"
+            self._on_lost(self._lost)
+            self._resume.clear()
+            self._tell()
+            while not self._resume.wait(1.0) and not self._closed.is_set():
+                pass
 
     def _connect(self) -> Any:
         raw = self._target.connect(self._psycopg)
@@ -3886,69 +3950,94 @@ class _PGChanges(_Changes):
                     break
                 self._identity.key = None  # another process holds it (the keys went round): the next one
             raw.execute(f'LISTEN "{_pg_channel(self._target)}"')
+            timeout = raw.execute(_PG_IDLE_TIMEOUT).fetchone()
+            self._idle = _PG_IDLE_PING if not timeout or not timeout[0] else min(_PG_IDLE_PING, timeout[0] / 3000)
+            raw.pgconn.nonblocking = 1
         except BaseException:
             raw.close()
             raise
         return raw
 
+    def _watch(self, raw: Any) -> str | None:
+        """Wait on the session until it is lost (why) or closed (None): notifications, and the
+        round trips that prove it."""
+        pgconn, pq = raw.pgconn, self._psycopg.pq
+        answered, asked = time.monotonic(), None  # the last answer; the round trip awaiting one
+        vouching = False
+        while not self._closed.is_set():
+            now = time.monotonic()
+            running = self._running()
+            if running and not vouching:
+                answered = max(answered, now)  # (from now on: the claims it vouches for are new)
+            vouching = running
+            every = _PG_VOUCH / 4 if vouching else self._idle
+            if vouching and now - answered > _PG_VOUCH:
+                return f"its session did not answer for {format_duration(now - answered)}"
+            try:
+                if asked is None and now >= answered + every:
+                    pgconn.send_query(b"SELECT 1")
+                    asked = now
+                pgconn.flush()
+                if asked is None:
+                    until = answered + every
+                else:  # (the answer is due: within the vouch, or for an idle session in good time)
+                    until = answered + _PG_VOUCH if vouching else asked + every + _PG_VOUCH
+                ready, _, _ = select.select([pgconn.socket, self._wake], [], [], max(0.0, until - now))
+                if self._wake in ready:
+                    self._wake.recv(4096)
+                if pgconn.socket not in ready:
+                    continue
+                pgconn.consume_input()
+                while pgconn.notifies() is not None:
+                    self._count += 1
+                    self._tell()
+                while asked is not None and not pgconn.is_busy():
+                    if pgconn.get_result() is None:
+                        answered, asked = time.monotonic(), None
+                if pgconn.status != pq.ConnStatus.OK:
+                    return pgconn.get_error_message().decode(errors="replace").strip() or "closed by the server"
+            except (self._psycopg.Error, OSError) as exc:
+                return str(exc).strip().splitlines()[0] if str(exc).strip() else "closed by the server"
+            if not vouching and asked is not None and time.monotonic() - asked > every + _PG_VOUCH:
+                return "an idle round trip was not answered"  # (no attempt runs: nothing to abort)
+        return None
+
+    def _tell(self) -> None:
+        with contextlib.suppress(RuntimeError):  # (the loop is closed)
+            self._loop.call_soon_threadsafe(self._on_change)
+
     # -- on the event loop
 
-    def _attach(self, raw: Any) -> None:
-        if self._closed.is_set():
-            raw.close()
-            return
-        self._conn, self._fd = raw, raw.fileno()  # (a lost connection no longer tells its socket)
-        self._identity.held.set()
-        self._count += 1
-        self._loop.add_reader(self._fd, self._readable)
-        self._on_change()
-
-    def _readable(self) -> None:
-        raw = self._conn
-        if raw is None:
-            return
-        try:
-            raw.pgconn.consume_input()
-            while raw.pgconn.notifies() is not None:
-                self._count += 1
-            broken = raw.pgconn.status != self._psycopg.pq.ConnStatus.OK
-            reason = raw.pgconn.get_error_message() if broken else ""
-        except self._psycopg.Error as exc:
-            broken, reason = True, str(exc)
-        if broken:
-            text = (reason or "closed by the server").strip().splitlines()[0]
-            self._drop()
-            self._lost = f"the connection to {self._target.shown} that holds this process's lock was lost ({text})"
-        self._on_change()
-
-    def _drop(self) -> None:
-        self._identity.held.clear()
-        self._identity.key = None  # the lock went with the session: the next one takes a new key
-        if self._conn is not None:
-            self._loop.remove_reader(self._fd)
-            try:
-                self._conn.close()
-            except self._psycopg.Error:
-                pass
-            self._conn = None
-
     def version(self) -> int:
-        return -2 if self._conn is None else self._count
+        return self._count if self._connected else -2
 
     def lost(self) -> str | None:
         return self._lost
 
     def owner_gone(self, run: _RunRow) -> str | None:
-        return run.gone
+        key = (run.job, run.slot, run.attempt)
+        if run.gone is None:
+            self._free_since.pop(key, None)
+            return None
+        now = time.monotonic()
+        if len(self._free_since) > 10_000:  # (runs taken over or ended long ago)
+            self._free_since = {k: t for k, t in self._free_since.items() if now - t < 60.0}
+        return run.gone if now - self._free_since.setdefault(key, now) >= _PG_VOUCH + _PG_VOUCH_MARGIN else None
+
+    def settles_in(self, run: _RunRow) -> float:
+        since = self._free_since.get((run.job, run.slot, run.attempt))
+        if run.gone is None or since is None:
+            return math.inf
+        return max(0.0, since + _PG_VOUCH + _PG_VOUCH_MARGIN - time.monotonic())
 
     def reset(self) -> None:
         self._lost = None
-        if self._conn is None:
-            self._connect_soon()
+        self._resume.set()
 
     def close(self) -> None:
         self._closed.set()
-        self._drop()
+        self._resume.set()
+        self.attempt_started()  # (wakes the thread, which closes its session)
 
 
 class _PGLoopRenewal(_AsyncRenewal):
@@ -5237,6 +5326,7 @@ class _Runner:
         self._checkpoints = checkpoints
         self._poke = poke  #: called after an end that leaves the run to be claimed: the scheduler looks again
         self.ends_written: Callable[[], None] = _nothing  #: called after each write of ends
+        self.started: Callable[[], None] = _nothing  #: called after an attempt began
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
@@ -5269,6 +5359,7 @@ class _Runner:
         task = asyncio.get_running_loop().create_task(self._run(attempt))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        self.started()
 
     async def drain(self) -> None:
         """After a stop: wait up to the stop grace for the attempts, which hand their runs over;
@@ -6303,6 +6394,10 @@ class Scheduler:
         # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
         # connection that holds this process's lock), and no change after the join goes unseen.
         loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self._polling, self.instance))
+        loop_state.watch.vouch_for(
+            lambda: bool(self._attempts), lambda why: self._runner.abort(lambda job: LeaseLost(f"{job}: {why}"))
+        )
+        self._runner.started = loop_state.watch.attempt_started
         self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
         timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = heartbeats = _Heartbeats(
@@ -6442,7 +6537,7 @@ class Scheduler:
             state.recheck = 0.005
         elif state.recheck:
             state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
-        stale = state.watching and self._clock.monotonic() >= state.read_at + self._poll - 0.01
+        stale = state.watching and self._clock.monotonic() >= state.read_at + state.reread - 0.01
         if version != state.version or state.runs is None or self._dirty or stale:
             self._dirty = False
             await self._read(state)
@@ -6470,7 +6565,7 @@ class Scheduler:
             state.moved = await self._fire(ready, now_ms)
             state.version = -1
             wait = 0.0
-        state.watching = False
+        state.watching, state.reread = False, self._poll
         for run in state.runs or []:
             again = await self._consider(run, now_ms, state)
             if again is not None:
@@ -6595,9 +6690,12 @@ class Scheduler:
             left = (run.lease_left or 0.0) - (self._clock.monotonic() - state.read_at)
             if gone is None and left >= 0:
                 # Watch the owner, and its lease: a store that judges owners only when it reads the
-                # runs has them read again at the next look.
-                state.watching = state.watching or not state.watch.fresh_liveness
-                return min(self._poll, left + 0.001)
+                # runs has them read again at the next look (sooner when a free lock settles).
+                again = min(self._poll, left + 0.001, state.watch.settles_in(run))
+                if not state.watch.fresh_liveness:
+                    state.watching = True
+                    state.reread = min(state.reread, self._clock.monotonic() - state.read_at + again)
+                return again
             reason = gone or "lease expired"
         options = job.options
         claim = await self._link.call(
@@ -6708,6 +6806,7 @@ class _LoopState:
     recheck: float = 0.0  # after a write seen by the file watch: look again this soon
     read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
     watching: bool = False  # another process's run is watched with ``owner_gone`` as of that read
+    reread: float = 0.0  # then read again this long after that read (seconds)
     failing: str | None = None  # the error of the last look, while looks fail
     logged: float = 0.0  # when it was last logged (monotonic)
 

@@ -402,3 +402,51 @@ def test_the_stores_prepared_statements_survive_a_deallocate_all(url):
         assert store.set_process_group(claim, "nobody", "group") is False
     finally:
         store.close()
+
+
+def test_a_lock_session_ended_where_its_owner_cannot_see_it_never_gives_two_handlers_at_once(url):
+    """The owner's network path freezes, then the server ends its lock session
+    (pg_terminate_backend, as a pooler or a server-side keepalive would): the lock is free while the
+    owner lives and cannot hear of it. The owner stops its handler when its session has not answered
+    for ``_PG_VOUCH``; the other process takes the run over only after seeing the lock free for
+    longer than that, not after the 30 s lease: the two handlers never work at the same time."""
+    import urllib.parse
+
+    from tcpproxy import Proxy
+
+    server = urllib.parse.urlsplit(url)
+    proxy = Proxy((server.hostname, server.port))
+    working = {"a": [], "b": []}  # when each handler last did a piece of work (monotonic)
+
+    async def main():
+        a = Scheduler(via_proxy(url, proxy), instance="a", poll=0.05)
+        b = Scheduler(url, instance="b", poll=0.05)
+        for s in (a, b):
+
+            @s.every("work", "24h", offset=QUIET, lease="30s")
+            async def work(ctx):
+                while ctx.instance == "a" or len(working["b"]) < 20:
+                    ctx.signal.throw_if_aborted()
+                    working[ctx.instance].append(time.monotonic())
+                    await asyncio.sleep(0.005)
+
+        async with a:
+            await a.trigger("work")
+            await wait_for(lambda: len(working["a"]) > 10, message="attempt 1 at work on a")
+            async with b:
+                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                proxy.freeze()
+                assert terminate_session_of(url, "a") == [(True,)]
+                ended = time.monotonic()
+                await wait_for(lambda: working["b"], timeout=15, message="b to take over")
+                await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
+                proxy.thaw()
+                await wait_for(lambda: not a._attempts, timeout=30, message="a's attempt to end")
+        overlap = working["a"][-1] - working["b"][0]
+        assert overlap < 0, f"both handlers worked for {overlap:.3f} s"
+        assert working["b"][0] - ended < 5.0, "taken over by the lease, not by the free lock"
+
+    try:
+        run(main(), timeout=90)
+    finally:
+        proxy.close()
