@@ -7327,10 +7327,18 @@ def _serve(scheduler: Scheduler, on_sighup: Callable[[], None]) -> None:
     asyncio.run(serve())
 
 
+_SQLITE_HEADER = b"SQLite format 3\0"  # the first bytes of every SQLite database file
+
+
 def _read_crontab(path: str) -> str:
-    """The text of a crontab file; ``CrontabError`` with the line of the first byte that is not UTF-8."""
+    """The text of a crontab file; ``CrontabError`` with the line of the first byte that is not UTF-8,
+    ``ConfigError`` for a database file (the arguments swapped)."""
     with open(path, "rb") as handle:
         data = handle.read()
+    if data.startswith(_SQLITE_HEADER):
+        raise ConfigError(
+            f"{path} looks like a database, not a crontab; did you mean --db {path} crontab CRONTAB_FILE?"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
