@@ -5522,10 +5522,16 @@ def _prometheus(figures: Sequence[_JobFigures], lateness: dict[str, float] | Non
 
 def _replace_file(path: str, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file beside it, then renamed over it (a
-    reader such as node_exporter never sees half a file; the name does not end in ``.prom``)."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+    reader such as node_exporter never sees half a file; the name does not end in ``.prom``).
+
+    The temporary file is made new by the kernel (``O_EXCL``, with a name no one can guess): a link
+    planted at any name in a shared directory is never followed, and the rename replaces a link at
+    ``path`` itself rather than writing through it. Its mode is what ``open(path, "w")`` gives (0666
+    less the umask)."""
+    temporary = f"{path}.{os.urandom(8).hex()}.tmp"  # (64 random bits: a name taken fails the write, logged)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
+        with open(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
         os.replace(temporary, path)
     except BaseException:

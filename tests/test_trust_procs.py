@@ -12,7 +12,10 @@ import sqlite3
 import subprocess
 import sys
 
+from conftest import run, wait_for
 from test_cli import anarchon
+
+from anarchon_lite import Scheduler
 
 
 def test_crontab_given_a_database_file_says_so_in_one_line(tmp_path):
@@ -27,3 +30,27 @@ def test_crontab_given_a_database_file_says_so_in_one_line(tmp_path):
         assert done.stderr.count("\n") == 1, done.stderr
         assert "looks like a database" in done.stderr and f"--db {db}" in done.stderr, done.stderr
     assert db.read_bytes() == before and not (tmp_path / "other.db").exists()
+
+
+def test_the_metrics_file_is_written_without_following_a_planted_link(tmp_path):
+    """Links planted in the metrics file's directory, at the temporary names an earlier version used
+    (``PATH.<pid>.tmp``), at a guessable one and at PATH itself, all pointing at a file that must not
+    change: the metrics land in PATH, a file of its own, and the target is untouched."""
+    shared, target = tmp_path / "textfile", tmp_path / "root-only"
+    shared.mkdir()
+    target.write_text("not to be written\n")
+    path = shared / "anarchon.prom"
+    for name in (f"anarchon.prom.{os.getpid()}.tmp", "anarchon.prom.tmp", "anarchon.prom"):
+        (shared / name).symlink_to(target)
+
+    async def main():
+        s = Scheduler(str(tmp_path / "jobs.db"), poll=0.02, metrics_file=str(path))
+        s.every("ok", "1d", lambda ctx: None)
+        async with s:
+            await wait_for(
+                lambda: not path.is_symlink() and "anarchon_job_running" in path.read_text(), message="metrics in PATH"
+            )
+
+    run(main())
+    assert target.read_text() == "not to be written\n"
+    assert "anarchon_job_running" in path.read_text() and not path.is_symlink()
