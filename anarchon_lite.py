@@ -5545,11 +5545,16 @@ def _replace_file(path: str, text: str) -> None:
 ###############################################################################
 
 
+_NOTIFY_RETRY = 1.0  # seconds before a message the service manager's full queue refused is sent again
+
+
 class _Notify:
     """systemd's notify protocol (sd_notify(3)) with no dependency: each message one datagram to
     ``$NOTIFY_SOCKET``, a path or, when it starts with ``@``, an abstract socket. Reading the
     variables removes them from the environment, so that no command this process starts talks to
-    systemd in its name. Sending never raises: a manager that went away is a debug line."""
+    systemd in its name. Sending never raises and never waits: a manager that went away is a debug
+    line, and when one does not read (its queue is full) the message waits for the next one or a
+    retry, newer values replacing older ones."""
 
     def __init__(self, environ: dict[str, str] | os._Environ[str]):
         address = environ.pop("NOTIFY_SOCKET", "")
@@ -5563,17 +5568,38 @@ class _Notify:
         self._socket: socket.socket | None = None
         self._status: str | None = None  # the STATUS= last sent
         self._next: asyncio.TimerHandle | None = None  # the next WATCHDOG=1
+        #: the fields not sent yet (the manager's queue was full), sent with the next message: newest value wins
+        self._unsent: dict[str, str] = {}
+        self._retry: asyncio.TimerHandle | None = None  # the next try to send ``_unsent``
 
     def send(self, *fields: str) -> None:
-        """Send ``fields`` (``"READY=1"``, ``"STATUS=…"``) as one message."""
+        """Send ``fields`` (``"READY=1"``, ``"STATUS=…"``) as one message, with any not sent yet."""
         if not self.address:
+            return
+        for field in fields:
+            key, _, value = field.partition("=")
+            self._unsent.pop(key, None)  # (the newest value goes last, as it was given)
+            self._unsent[key] = value
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._retry is not None:  # (this is the retry, or a message came before it)
+            self._retry.cancel()
+            self._retry = None
+        if not self._unsent:
             return
         try:
             if self._socket is None:
                 self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._socket.sendto("\n".join(fields).encode(), self.address)
+                self._socket.setblocking(False)
+            self._socket.sendto("\n".join(f"{k}={v}" for k, v in self._unsent.items()).encode(), self.address)
+        except BlockingIOError:  # the manager does not read: try again with the next message, or in a second
+            with contextlib.suppress(RuntimeError):  # (no loop running: with the next message only)
+                self._retry = asyncio.get_running_loop().call_later(_NOTIFY_RETRY, self._flush)
+            return
         except OSError as exc:
             _log.debug("cannot notify the service manager at %r: %s", self.address, exc)
+        self._unsent.clear()
 
     def status(self, text: str, *fields: str) -> None:
         """Send ``STATUS=text`` when it differs from the last one sent, and ``READY=1`` with the
@@ -5593,9 +5619,10 @@ class _Notify:
 
     def close(self) -> None:
         """Stop the pings and close the socket."""
-        if self._next is not None:
-            self._next.cancel()
-            self._next = None
+        for timer in (self._next, self._retry):
+            if timer is not None:
+                timer.cancel()
+        self._next = self._retry = None
         if self._socket is not None:
             self._socket.close()
             self._socket = None

@@ -4,16 +4,16 @@ and never blocks on a service manager that does not read."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 
 from conftest import run, wait_for
-from test_cli import anarchon
+from test_cli import ENV, anarchon, wait_until
 
 from anarchon_lite import Scheduler
 
@@ -54,3 +54,47 @@ def test_the_metrics_file_is_written_without_following_a_planted_link(tmp_path):
     run(main())
     assert target.read_text() == "not to be written\n"
     assert "anarchon_job_running" in path.read_text() and not path.is_symlink()
+
+
+def test_a_service_manager_that_does_not_read_never_stops_the_scheduler(tmp_path):
+    """$NOTIFY_SOCKET names a datagram socket whose queue is full and that nobody reads: jobs keep
+    running, the messages held back go out as one (READY=1 kept, the newest STATUS) once it reads,
+    and SIGTERM ends the process promptly."""
+    address, marks, crontab = str(tmp_path / "notify"), tmp_path / "marks", tmp_path / "crontab"
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    manager.bind(address)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(100_000):
+            filler.sendto(b"FILL=1", address)
+    crontab.write_text(f"# name: tick\n@every 1s echo x >> {marks}\n")
+    env = {**ENV, "NOTIFY_SOCKET": address, "WATCHDOG_USEC": "200000"}
+    with open(tmp_path / "daemon.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "anarchon_lite", "--db", str(tmp_path / "jobs.db"), "crontab", str(crontab)],
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+    try:
+        wait_until(lambda: marks.exists() and len(marks.read_text().split()) >= 3, what="3 runs")
+        manager.settimeout(0.1)
+        received: list[bytes] = []
+
+        def ready() -> bool:
+            with contextlib.suppress(socket.timeout):
+                received.append(manager.recv(4096))
+            return any(b"READY=1" in m for m in received)
+
+        wait_until(ready, what="READY=1, held back")
+        held = next(m for m in received if b"READY=1" in m).decode().splitlines()
+        assert held[0] == "READY=1" and sum(line.startswith("STATUS=") for line in held) == 1, held
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        manager.close()
+        filler.close()
