@@ -2156,11 +2156,13 @@ def _process_stat(pid: int) -> list[str] | None:
     return None if text is None else text[text.rfind(")") + 2 :].split()
 
 
-def _group_record(pgid: int, me: _Owner) -> str:
+def _group_record(pgid: int, me: _Owner, nonce: str) -> str:
     """What identifies a process group that this process just started: its id, the leader's start
-    time (a reused pid is told apart), the boot and the pid namespace (JSON, kept with the run)."""
+    time (a reused pid is told apart), the boot, the pid namespace, and the nonce of the marker in
+    its command's environment (JSON, kept with the run)."""
     started = _process_start(pgid)
-    return json.dumps({"pgid": pgid, "start": started[1] if started else None, "boot": me.boot_id, "ns": me.namespace})
+    start = started[1] if started else None
+    return json.dumps({"pgid": pgid, "start": start, "boot": me.boot_id, "ns": me.namespace, "run": nonce})
 
 
 def _group_members(pgid: int) -> list[str]:
@@ -2182,23 +2184,6 @@ def _group_members(pgid: int) -> list[str]:
                 comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
                 found.append(f"{name} ({comm})")
     return found
-
-
-def _group_alive(record: str, me: _Owner) -> bool | None:
-    """Whether the process group of ``record`` (from ``_group_record``) still has members; None
-    when this process cannot tell (another boot's group is gone; another pid namespace's is unseen)."""
-    group = json.loads(record)
-    if group.get("boot") and me.boot_id and group["boot"] != me.boot_id:
-        return False
-    if group.get("ns") != me.namespace:
-        return None
-    pgid = int(group["pgid"])
-    if not _group_members(pgid):
-        return False
-    leader = _process_stat(pgid)
-    if leader is None or leader[0] in ("Z", "X") or int(leader[19]) == group.get("start"):
-        return True  # the leader, or what it left in its group (a pid is not reused while its group lives)
-    return int(leader[2]) != pgid  # the pid is another process's now; group pgid is ours unless it leads it
 
 
 def _switch_to_wal(conn: sqlite3.Connection, path: str, timeout: float) -> None:
@@ -5750,10 +5735,16 @@ def _prometheus(figures: Sequence[_JobFigures], lateness: dict[str, float] | Non
 
 def _replace_file(path: str, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file beside it, then renamed over it (a
-    reader such as node_exporter never sees half a file; the name does not end in ``.prom``)."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+    reader such as node_exporter never sees half a file; the name does not end in ``.prom``).
+
+    The temporary file is made new by the kernel (``O_EXCL``, with a name no one can guess): a link
+    planted at any name in a shared directory is never followed, and the rename replaces a link at
+    ``path`` itself rather than writing through it. Its mode is what ``open(path, "w")`` gives (0666
+    less the umask)."""
+    temporary = f"{path}.{os.urandom(8).hex()}.tmp"  # (64 random bits: a name taken fails the write, logged)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
+        with open(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
         os.replace(temporary, path)
     except BaseException:
@@ -5767,11 +5758,16 @@ def _replace_file(path: str, text: str) -> None:
 ###############################################################################
 
 
+_NOTIFY_RETRY = 1.0  # seconds before a message the service manager's full queue refused is sent again
+
+
 class _Notify:
     """systemd's notify protocol (sd_notify(3)) with no dependency: each message one datagram to
     ``$NOTIFY_SOCKET``, a path or, when it starts with ``@``, an abstract socket. Reading the
     variables removes them from the environment, so that no command this process starts talks to
-    systemd in its name. Sending never raises: a manager that went away is a debug line."""
+    systemd in its name. Sending never raises and never waits: a manager that went away is a debug
+    line, and when one does not read (its queue is full) the message waits for the next one or a
+    retry, newer values replacing older ones."""
 
     def __init__(self, environ: dict[str, str] | os._Environ[str]):
         address = environ.pop("NOTIFY_SOCKET", "")
@@ -5785,17 +5781,38 @@ class _Notify:
         self._socket: socket.socket | None = None
         self._status: str | None = None  # the STATUS= last sent
         self._next: asyncio.TimerHandle | None = None  # the next WATCHDOG=1
+        #: the fields not sent yet (the manager's queue was full), sent with the next message: newest value wins
+        self._unsent: dict[str, str] = {}
+        self._retry: asyncio.TimerHandle | None = None  # the next try to send ``_unsent``
 
     def send(self, *fields: str) -> None:
-        """Send ``fields`` (``"READY=1"``, ``"STATUS=…"``) as one message."""
+        """Send ``fields`` (``"READY=1"``, ``"STATUS=…"``) as one message, with any not sent yet."""
         if not self.address:
+            return
+        for field in fields:
+            key, _, value = field.partition("=")
+            self._unsent.pop(key, None)  # (the newest value goes last, as it was given)
+            self._unsent[key] = value
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._retry is not None:  # (this is the retry, or a message came before it)
+            self._retry.cancel()
+            self._retry = None
+        if not self._unsent:
             return
         try:
             if self._socket is None:
                 self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._socket.sendto("\n".join(fields).encode(), self.address)
+                self._socket.setblocking(False)
+            self._socket.sendto("\n".join(f"{k}={v}" for k, v in self._unsent.items()).encode(), self.address)
+        except BlockingIOError:  # the manager does not read: try again with the next message, or in a second
+            with contextlib.suppress(RuntimeError):  # (no loop running: with the next message only)
+                self._retry = asyncio.get_running_loop().call_later(_NOTIFY_RETRY, self._flush)
+            return
         except OSError as exc:
             _log.debug("cannot notify the service manager at %r: %s", self.address, exc)
+        self._unsent.clear()
 
     def status(self, text: str, *fields: str) -> None:
         """Send ``STATUS=text`` when it differs from the last one sent, and ``READY=1`` with the
@@ -5815,9 +5832,10 @@ class _Notify:
 
     def close(self) -> None:
         """Stop the pings and close the socket."""
-        if self._next is not None:
-            self._next.cancel()
-            self._next = None
+        for timer in (self._next, self._retry):
+            if timer is not None:
+                timer.cancel()
+        self._next = self._retry = None
         if self._socket is not None:
             self._socket.close()
             self._socket = None
@@ -7042,6 +7060,7 @@ def _command_handler(
 
     async def run_command(ctx: RunContext) -> str:
         shell = env.get("SHELL", "/bin/sh")
+        nonce = os.urandom(16).hex()  # this attempt's, kept in its process-group record
         variables = {
             **os.environ,
             **env,
@@ -7049,6 +7068,7 @@ def _command_handler(
             "ANARCHON_SLOT": str(ctx.slot),
             "ANARCHON_ATTEMPT": str(ctx.attempt),
             "ANARCHON_SCHEDULED_AT": ctx.scheduled_at.isoformat(),
+            "ANARCHON_RUN": _run_marker(ctx.job, ctx.slot, nonce),
         }
         await _end_previous_group(ctx, me)
         proc, exited = await _spawn(
@@ -7064,14 +7084,14 @@ def _command_handler(
         reader = asyncio.ensure_future(_read_tail(proc, tail))
         try:
             claim, owner = ctx._attempt.claim, ctx._attempt.owner
-            record = _group_record(proc.pid, me)
+            record = _group_record(proc.pid, me, nonce)
             if not await ctx._store(lambda s: s.set_process_group(claim, owner, record)):
                 raise LeaseLost(f"{ctx.job}: the run was taken over before its command started")
-            reaper = await _start_reaper(proc.pid)
+            reaper = await _start_reaper(proc.pid, variables["ANARCHON_RUN"])
             assert proc.stdin is not None
             proc.stdin.write(b"go\n")  # through the gate
             proc.stdin.close()
-            code, left = await _wait_command(ctx, proc, exited, reader)
+            code, left = await _wait_command(ctx, proc, exited, reader, variables["ANARCHON_RUN"])
         finally:
             if not exited.done():
                 _kill_group(proc.pid, signal.SIGKILL)
@@ -7099,11 +7119,22 @@ def _command_handler(
 # recorded with the run), then becomes ``$SHELL -c COMMAND`` with stdin from /dev/null. If the
 # scheduler dies first, the line never comes and the command never starts.
 _GATE = 'read -r go && [ "$go" = go ] || exit 125; exec "$0" -c "$1" </dev/null'
-# Outside the command's group: ends the group when the scheduler lets go of its stdin without
-# saying "done" first, which is what its death does (kill -9, the OOM killer included).
+# Outside the command's group: when the scheduler lets go of its stdin without saying "done" first,
+# which is what its death does (kill -9, the OOM killer included), it ends what the command started:
+# each process of this user with the run's marker (``$1``) in its environment, and the group (``$0``)
+# when one of them is in it; SIGTERM, then SIGKILL 5 s later (as ``_end_run``, in sh).
 _REAPER = (
     'read -r word; [ "$word" = done ] && exit 0; '
-    'kill -s TERM -- "-$0" 2>/dev/null || exit 0; sleep 5; kill -s KILL -- "-$0" 2>/dev/null; exit 0'
+    "for s in TERM KILL; do "
+    "g= any=; "
+    'for f in $(grep -lsaF "ANARCHON_RUN=$1" /proc/[0-9]*/environ); do '
+    '[ -O "$f" ] || continue; p="${f#/proc/}"; p="${p%/environ}"; '
+    'st=$(cat "/proc/$p/stat" 2>/dev/null) || continue; set -- "$1" ${st##*") "}; '
+    '[ "$4" = "$0" ] && g=1; kill -s "$s" "$p" 2>/dev/null && any=1; '
+    "done; "
+    '[ -n "$g" ] && kill -s "$s" -- "-$0" 2>/dev/null; '
+    '[ -z "$any" ] && exit 0; [ "$s" = TERM ] && sleep 5; '
+    "done; exit 0"
 )
 _GROUP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for an aborted command's process group
 
@@ -7154,35 +7185,130 @@ async def _run_on_failure(
 
 
 async def _end_previous_group(ctx: RunContext, me: _Owner) -> None:
-    """Make sure the command of an earlier attempt of this run is gone before starting another."""
+    """Make sure the command of an earlier attempt of this run is gone before starting another: on
+    this host, every process of this user that carries the run's marker, and the recorded process
+    group when it is proven the run's (same boot, the leader's start time, a member with the
+    marker). A record that proves nothing is never signalled; the warning says why."""
     slot, job = ctx.slot, ctx.job
     record = await ctx._store(lambda s: s.process_group(job, slot))
     if record is None:
         return
-    alive = _group_alive(record, me)
-    if alive is None:
-        ctx.log.warning("an earlier attempt's command ran in another pid namespace: it cannot be checked from here")
+    group = _parse_group_record(record)
+    if group is None:
+        ctx.log.warning("the earlier attempt's process-group record is not one this scheduler writes: not signalled")
         return
-    if not alive:
+    if group.get("boot") and me.boot_id and group["boot"] != me.boot_id:
+        return  # (another host's or another boot's: gone from here)
+    nonce = group.get("run")
+    if not isinstance(nonce, str):
+        ctx.log.warning("the earlier attempt's process group carries no marker (an older version's): not signalled")
         return
-    pgid = int(json.loads(record)["pgid"])
-    ctx.log.warning("an earlier attempt's command is still running (process group %d): ending it first", pgid)
+    marker = _run_marker(job, slot, nonce)
+    pgid: int | None = group["pgid"]
+    if group.get("ns") != me.namespace:
+        ctx.log.warning("an earlier attempt's command ran in another pid namespace: its group cannot be checked here")
+        pgid = None
+    elif not _leader_is(group):
+        pgid = None  # (its leader's pid is another process's now)
+    left, ours = await asyncio.to_thread(_run_left, pgid, marker)
+    if group["pgid"] == pgid and not ours and _group_members(group["pgid"]):
+        ctx.log.warning(
+            "process group %d, named by the earlier attempt's record, has no process with the run's marker: "
+            "not proven this run's, not signalled",
+            group["pgid"],
+        )
+    if not left:
+        return
+    if ours:
+        ctx.log.warning("an earlier attempt's command is still running (process group %d): ending it first", pgid)
+    else:
+        ctx.log.warning("an earlier attempt's command left processes %s running: ending them first", left)
+    if not await _end_run(pgid, marker):
+        raise _PlainFailure(f"the command of an earlier attempt (processes {left}) could not be ended")
+
+
+def _parse_group_record(record: str) -> dict[str, Any] | None:
+    """A process-group record (``_group_record``) as a dict with an int ``pgid`` (above 1: 0 and -1
+    would name this process's own group, or every process), or None if it is not one."""
+    with contextlib.suppress(ValueError, TypeError):
+        group = json.loads(record)
+        if isinstance(group, dict) and type(group.get("pgid")) is int and group["pgid"] > 1:
+            return group
+    return None
+
+
+def _leader_is(group: dict[str, Any]) -> bool:
+    """Whether the recorded group's leader is gone (its group may live on: a group id is not reused
+    while it has members) or is the process recorded (the same start time)."""
+    leader = _process_stat(group["pgid"])
+    return leader is None or leader[0] in ("Z", "X") or int(leader[19]) == group.get("start")
+
+
+def _run_marker(job: str, slot: int, nonce: str) -> str:
+    """The value of ``ANARCHON_RUN`` in the environment of an attempt's command: bound to the run
+    (job and slot) and to the attempt's random nonce kept in its process-group record, so that a
+    record copied from another run or written by hand names no process this scheduler started."""
+    return hashlib.sha256(f"{job}\0{slot}\0{nonce}".encode()).hexdigest()[:32]
+
+
+def _marked(marker: str) -> dict[int, int]:
+    """The live processes of this user (root: root's) whose environment carries ``ANARCHON_RUN=marker``:
+    pid to process group, from /proc (elsewhere none: only the group is known there)."""
+    wanted, uid, found = f"ANARCHON_RUN={marker}".encode(), os.geteuid(), {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc/self") else ():
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as handle:
+                if wanted not in handle.read().split(b"\0"):
+                    continue
+        except OSError:
+            continue
+        fields = _process_stat(int(name))
+        if fields is not None and fields[0] not in ("Z", "X"):
+            found[int(name)] = int(fields[2])
+    return found
+
+
+def _run_left(pgid: int | None, marker: str, outside: bool = True) -> tuple[list[int], bool]:
+    """What a run's command left on this host: the processes that carry its marker (``outside``:
+    also those that left group ``pgid``), and whether the group is proven the run's now (one of them
+    is in it: a group id is not reused while the group has members)."""
+    marked = _marked(marker)
+    ours = pgid is not None and pgid in marked.values()
+    return sorted(p for p, g in marked.items() if outside or g == pgid), ours
+
+
+async def _end_run(pgid: int | None, marker: str, outside: bool = True) -> bool:
+    """End what a run's command started here (``_run_left``): SIGTERM to the group when proven the
+    run's and to each process with the marker, SIGKILL to what is left after ``_GROUP_GRACE``;
+    whether all of it is gone."""
+    left: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGKILL):
-        _kill_group(pgid, signum)
+        left, ours = await asyncio.to_thread(_run_left, pgid, marker, outside)
+        if not left:
+            return True
+        if pgid is not None and ours:
+            _kill_group(pgid, signum)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
         deadline = time.monotonic() + _GROUP_GRACE
-        while time.monotonic() < deadline and _group_alive(record, me):
-            await asyncio.sleep(0.02)
-        if not _group_alive(record, me):
-            return
-    raise _PlainFailure(f"the command of an earlier attempt (process group {pgid}) could not be ended")
+        while left and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            left, _ = await asyncio.to_thread(_run_left, pgid, marker, outside)
+    return not left
 
 
-async def _start_reaper(pgid: int) -> asyncio.subprocess.Process:
+async def _start_reaper(pgid: int, marker: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         "/bin/sh",
         "-c",
         _REAPER,
         str(pgid),
+        marker,
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
@@ -7228,27 +7354,28 @@ async def _spawn(args: Sequence[str], **options: Any) -> tuple[asyncio.subproces
 
 
 async def _wait_command(
-    ctx: RunContext, proc: asyncio.subprocess.Process, exited: asyncio.Future[int], reader: asyncio.Future[None]
+    ctx: RunContext,
+    proc: asyncio.subprocess.Process,
+    exited: asyncio.Future[int],
+    reader: asyncio.Future[None],
+    marker: str,
 ) -> tuple[int, str]:
-    """Wait for the shell to exit, or end its group on abort. Returns (exit code, what was left in
-    the group when the shell exited: a description, empty if nothing)."""
+    """Wait for the shell to exit; on abort (timeout, cancel, shutdown, lost lease) end it, its
+    group and every process with the run's marker, inside the group or not. Returns (exit code,
+    what was left in the group when the shell exited: a description, empty if nothing)."""
     aborted: asyncio.Future[Any] = asyncio.ensure_future(ctx.signal.wait())
     left = ""
     try:
         await asyncio.wait({exited, aborted}, return_when=asyncio.FIRST_COMPLETED)
         if not exited.done():
-            _kill_group(proc.pid, signal.SIGTERM)
-            ctx.log.info("sent SIGTERM to the command's process group")
-            await asyncio.wait({exited}, timeout=_GROUP_GRACE)
+            ctx.log.info("sending SIGTERM to the command's process group and to every process with its marker")
+            await _end_run(proc.pid, marker)
         else:
             left = ", ".join(_group_members(proc.pid))
             if left:
                 ctx.log.warning("the command exited and left %s in its process group: ending them", left)
-                _kill_group(proc.pid, signal.SIGTERM)
-                deadline = time.monotonic() + _GROUP_GRACE
-                while _group_members(proc.pid) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
-        if _group_members(proc.pid):  # (only while it has members: a group id is reused once empty)
+                await _end_run(proc.pid, marker, outside=False)
+        if not exited.done():  # (the shell is not reaped yet: its group is this run's for sure)
             _kill_group(proc.pid, signal.SIGKILL)
         code = await exited
         await asyncio.wait({reader}, timeout=1.0)  # the rest of the output, from processes now gone
@@ -7587,10 +7714,18 @@ def _serve(scheduler: Scheduler, on_sighup: Callable[[], None]) -> None:
     asyncio.run(serve())
 
 
+_SQLITE_HEADER = b"SQLite format 3\0"  # the first bytes of every SQLite database file
+
+
 def _read_crontab(path: str) -> str:
-    """The text of a crontab file; ``CrontabError`` with the line of the first byte that is not UTF-8."""
+    """The text of a crontab file; ``CrontabError`` with the line of the first byte that is not UTF-8,
+    ``ConfigError`` for a database file (the arguments swapped)."""
     with open(path, "rb") as handle:
         data = handle.read()
+    if data.startswith(_SQLITE_HEADER):
+        raise ConfigError(
+            f"{path} looks like a database, not a crontab; did you mean --db {path} crontab CRONTAB_FILE?"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -1,0 +1,261 @@
+"""Trust, for processes and files: the scheduler signals only what it can prove it started, ends
+what escapes a command's group but keeps its marker, writes files without following planted links,
+and never blocks on a service manager that does not read."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+from conftest import run, wait_for
+from test_cli import ENV, Daemons, alive, anarchon, children, cli, history, owner_pid, wait_until
+
+from anarchon_lite import Scheduler
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    found = Daemons(tmp_path)
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+def test_crontab_given_a_database_file_says_so_in_one_line(tmp_path):
+    """`crontab jobs.db` (the arguments swapped): one line naming --db, exit 2, nothing written."""
+    db = tmp_path / "jobs.db"
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    before = db.read_bytes()
+    for args in (["--db", str(tmp_path / "other.db"), "crontab", str(db)], ["crontab", "--check", str(db)]):
+        done = anarchon(*args)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert "looks like a database" in done.stderr and f"--db {db}" in done.stderr, done.stderr
+    assert db.read_bytes() == before and not (tmp_path / "other.db").exists()
+
+
+def test_the_metrics_file_is_written_without_following_a_planted_link(tmp_path):
+    """Links planted in the metrics file's directory, at the temporary names an earlier version used
+    (``PATH.<pid>.tmp``), at a guessable one and at PATH itself, all pointing at a file that must not
+    change: the metrics land in PATH, a file of its own, and the target is untouched."""
+    shared, target = tmp_path / "textfile", tmp_path / "root-only"
+    shared.mkdir()
+    target.write_text("not to be written\n")
+    path = shared / "anarchon.prom"
+    for name in (f"anarchon.prom.{os.getpid()}.tmp", "anarchon.prom.tmp", "anarchon.prom"):
+        (shared / name).symlink_to(target)
+
+    async def main():
+        s = Scheduler(str(tmp_path / "jobs.db"), poll=0.02, metrics_file=str(path))
+        s.every("ok", "1d", lambda ctx: None)
+        async with s:
+            await wait_for(
+                lambda: not path.is_symlink() and "anarchon_job_running" in path.read_text(), message="metrics in PATH"
+            )
+
+    run(main())
+    assert target.read_text() == "not to be written\n"
+    assert "anarchon_job_running" in path.read_text() and not path.is_symlink()
+
+
+def test_a_service_manager_that_does_not_read_never_stops_the_scheduler(tmp_path):
+    """$NOTIFY_SOCKET names a datagram socket whose queue is full and that nobody reads: jobs keep
+    running, the messages held back go out as one (READY=1 kept, the newest STATUS) once it reads,
+    and SIGTERM ends the process promptly."""
+    address, marks, crontab = str(tmp_path / "notify"), tmp_path / "marks", tmp_path / "crontab"
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    manager.bind(address)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(100_000):
+            filler.sendto(b"FILL=1", address)
+    crontab.write_text(f"# name: tick\n@every 1s echo x >> {marks}\n")
+    env = {**ENV, "NOTIFY_SOCKET": address, "WATCHDOG_USEC": "200000"}
+    with open(tmp_path / "daemon.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "anarchon_lite", "--db", str(tmp_path / "jobs.db"), "crontab", str(crontab)],
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+    try:
+        wait_until(lambda: marks.exists() and len(marks.read_text().split()) >= 3, what="3 runs")
+        manager.settimeout(0.1)
+        received: list[bytes] = []
+
+        def ready() -> bool:
+            with contextlib.suppress(socket.timeout):
+                received.append(manager.recv(4096))
+            return any(b"READY=1" in m for m in received)
+
+        wait_until(ready, what="READY=1, held back")
+        held = next(m for m in received if b"READY=1" in m).decode().splitlines()
+        assert held[0] == "READY=1" and sum(line.startswith("STATUS=") for line in held) == 1, held
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        manager.close()
+        filler.close()
+
+
+def marked_by(token: str) -> list[int]:
+    """The live processes whose environment carries ``TESTRUN=token`` (a crontab's variable)."""
+    found = []
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError), open(f"/proc/{name}/environ", "rb") as handle:
+            if f"TESTRUN={token}".encode() in handle.read().split(b"\0") and alive(int(name)):
+                found.append(int(name))
+    return found
+
+
+def end_marked(token: str) -> None:
+    """SIGKILL every process a test's crontab started (whatever escaped its group included) and wait
+    for them to go: what the test started is ended even when the scheduler failed to."""
+    for pid in marked_by(token):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not marked_by(token), what="the test's commands to end")
+
+
+def start_crontab(daemons, store, crontab, copies):
+    """``copies`` crontab processes on ``store``, returned once each has joined."""
+    for _ in range(copies):
+        daemons.start("--db", store, "crontab", str(crontab))
+
+    def joined():
+        done = cli(store, "status", "--json", check=False)
+        return done.returncode == 0 and len(json.loads(done.stdout)["processes"]) == copies
+
+    wait_until(joined, what="every copy to join")
+
+
+def lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@pytest.mark.parametrize("reaper", ["reaper", "no reaper"])
+def test_a_command_that_escapes_its_group_is_ended_before_the_next_attempt(tmp_path, daemons, store, reaper):
+    """Attempt 1 leaves its process group for good (setsid, a double fork) with the run's marker in
+    its environment; after kill -9 of its scheduler the other one takes the run over and ends the
+    escaped process before attempt 2 starts: the two never overlap, the escaped one never ends.
+    Without the reaper (killed first), the takeover alone does it."""
+    token, marks, escaped, crontab = os.urandom(8).hex(), tmp_path / "marks", tmp_path / "escaped", tmp_path / "crontab"
+    escape = f"(setsid sh -c 'echo $$ >> {escaped}; sleep 60; echo end >> {marks}' &)"
+    check = tmp_path / "check.sh"  # a live (not zombie) escaped process when an attempt starts: an overlap
+    check.write_text(
+        'for p in $(cat "$1" 2>/dev/null); do s=$(cat /proc/$p/stat 2>/dev/null) || continue; '
+        'case "${s##*) }" in Z*|X*) ;; *) echo "overlap $p" >> "$2";; esac; done\n'
+    )
+    overlap = f"sh {check} {escaped} {marks}"
+    crontab.write_text(
+        f"TESTRUN={token}\n# name: escapes\n"
+        f'@every 24h {overlap}; echo start $ANARCHON_ATTEMPT >> {marks}; [ "$ANARCHON_ATTEMPT" = 1 ] && {escape}; '
+        "sleep 60\n"
+    )
+    try:
+        start_crontab(daemons, store, crontab, copies=2)
+        cli(store, "trigger", "escapes")
+        wait_until(lambda: "start 1" in lines(marks) and lines(escaped), what="attempt 1 and its escaped process")
+        (runaway,) = (int(pid) for pid in lines(escaped))
+        owner = owner_pid(store, "escapes")
+        if reaper == "no reaper":
+            (reaper_pid,) = (pid for pid, cmdline in children(owner) if "read -r word" in cmdline)
+            os.kill(reaper_pid, signal.SIGKILL)
+        os.kill(owner, signal.SIGKILL)
+        wait_until(lambda: "start 2" in lines(marks), timeout=30, what="attempt 2 to start")
+        assert lines(marks) == ["start 1", "start 2"], lines(marks)  # no overlap, no end
+        assert not alive(runaway)
+        if reaper == "no reaper":
+            log = "".join((tmp_path / f"daemon-{i}.log").read_text() for i in range(2))
+            assert f"left processes [{runaway}" in log or "still running (process group" in log, log
+    finally:
+        daemons.close()
+        end_marked(token)
+
+
+@pytest.mark.parametrize("end", ["timed_out", "cancelled", "kill -9"])
+def test_a_timeout_a_cancel_or_the_reaper_ends_what_escaped_the_group(tmp_path, daemons, end):
+    """A command that escaped its group (setsid, a double fork) keeping its marker is ended with the
+    group when the attempt times out or is cancelled, before the attempt's end is recorded; after
+    kill -9 of the only scheduler, by the reaper. (One store: the ending happens on the owner's host
+    and never goes through the store.)"""
+    db, token, escaped, crontab = str(tmp_path / "jobs.db"), os.urandom(8).hex(), tmp_path / "escaped", tmp_path / "c"
+    timeout = "# timeout: 2s\n" if end == "timed_out" else ""
+    crontab.write_text(
+        f"TESTRUN={token}\n# name: escapes\n{timeout}"
+        f"@every 24h (setsid sh -c 'echo $$ >> {escaped}; sleep 60' &); sleep 60\n"
+    )
+    try:
+        start_crontab(daemons, db, crontab, copies=1)
+        cli(db, "trigger", "escapes")
+        wait_until(lambda: lines(escaped), what="the escaped process")
+        (runaway,) = (int(pid) for pid in lines(escaped))
+        if end == "cancelled":
+            cli(db, "cancel", "escapes")
+        if end == "kill -9":
+            os.kill(owner_pid(db, "escapes"), signal.SIGKILL)
+            wait_until(lambda: not alive(runaway), what="the reaper to end the escaped process")
+        else:
+            wait_until(lambda: [r for r in history(db, "escapes") if r["status"] == end], what=end)
+            assert not alive(runaway)
+    finally:
+        daemons.close()
+        end_marked(token)
+
+
+def forge_process_group(store: str, job: str, record: dict) -> None:
+    """Write ``record`` as the process group of ``job``'s run, as a user who can write the store can."""
+    text = json.dumps(record)
+    if store.startswith("postgresql://"):
+        import pgserver
+
+        pgserver.query(store, "UPDATE runs SET process_group = %s WHERE job = %s", (text, job))
+    else:
+        with contextlib.closing(sqlite3.connect(store)) as conn, conn:
+            conn.execute("UPDATE runs SET process_group = ? WHERE job = ?", (text, job))
+
+
+def test_a_forged_process_group_record_is_never_signalled(tmp_path, daemons, store):
+    """A run's record names an unrelated live process group (its leader's true start time, this
+    boot, this pid namespace, a made-up nonce), as a user who can write the store would: the
+    scheduler that takes the run over does not signal it, says so, and runs the next attempt."""
+    token, marks, crontab = os.urandom(8).hex(), tmp_path / "marks", tmp_path / "crontab"
+    crontab.write_text(
+        f"TESTRUN={token}\n# name: victim\n@every 24h echo start $ANARCHON_ATTEMPT >> {marks}; sleep 60\n"
+    )
+    unrelated = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        start_crontab(daemons, store, crontab, copies=1)
+        cli(store, "trigger", "victim")
+        wait_until(lambda: "start 1" in lines(marks), what="attempt 1")
+        os.kill(owner_pid(store, "victim"), signal.SIGKILL)
+        wait_until(lambda: not marked_by(token), what="the reaper to end attempt 1")
+        with open(f"/proc/{unrelated.pid}/stat") as handle:
+            start = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+        forged = {"pgid": unrelated.pid, "start": start, "boot": boot, "ns": os.readlink("/proc/self/ns/pid")}
+        forge_process_group(store, "victim", {**forged, "run": "0" * 32})
+        start_crontab(daemons, store, crontab, copies=1)
+        wait_until(lambda: "start 2" in lines(marks), timeout=30, what="attempt 2 to start")
+        assert unrelated.poll() is None, "the unrelated process group was signalled"
+        log = (tmp_path / "daemon-1.log").read_text()
+        assert f"process group {unrelated.pid}" in log and "not signalled" in log, log
+    finally:
+        daemons.close()
+        end_marked(token)
+        unrelated.kill()
+        unrelated.wait()
