@@ -3625,6 +3625,7 @@ class _PGStore(_SQLStore):
         *,
         read_only: bool = False,
         busy_timeout: float = 30.0,
+        probe: bool = False,
     ):
         self.path = target.shown
         self._target = target
@@ -3634,6 +3635,7 @@ class _PGStore(_SQLStore):
         self._psycopg = _import_psycopg()
         self._conn: Any = None
         self._statements = _PGPrepared(self._psycopg)
+        self._probe = probe  #: whether its first connection checks for a pooler that shares sessions
 
     def _owner(self) -> _Owner:
         """The runs this process takes carry the key of the advisory lock it holds now (in
@@ -3656,6 +3658,9 @@ class _PGStore(_SQLStore):
         try:
             raw = self._target.connect(self._psycopg)
             try:
+                if self._probe:
+                    _pg_check_sessions(raw, self._target, self._psycopg)
+                    self._probe = False
                 self.schema = _pg_prepare(raw, self._target, self._read_only)
             except BaseException:
                 raw.close()
@@ -3788,6 +3793,36 @@ class _PGStore(_SQLStore):
 
 def _pg_channel(target: _PGTarget) -> str:
     return _PG_CHANNEL + target.schema
+
+
+_PG_SHARED_SESSIONS = (
+    "is reached through a pooler that shares server sessions between clients (PgBouncer's transaction or "
+    "statement pooling): this process's lock, LISTEN and prepared statements need a session of their own. "
+    "Connect to the server directly, or through PgBouncer with pool_mode = session"
+)
+
+
+def _pg_check_sessions(raw: Any, target: _PGTarget, psycopg: Any) -> None:
+    """Refuse a connection whose session is not its own. A session's backend never changes and
+    never serves another client; behind transaction pooling, a second client's transaction is
+    served by the backend this connection just used (PgBouncer hands out the most recently
+    released), or this connection's next statement by another one."""
+    mine = raw.execute("SELECT pg_backend_pid()").fetchone()[0]
+    other = target.connect(psycopg)
+    try:
+        with other.transaction():
+            theirs = other.execute("SELECT pg_backend_pid()").fetchone()[0]
+            shared = theirs == mine  # (then this connection must not ask for a backend before it ends)
+        if not shared:
+            shared = raw.execute("SELECT pg_backend_pid()").fetchone()[0] != mine
+    except psycopg.Error as exc:
+        if "pooling mode" not in str(exc):  # "transaction blocks not allowed in statement pooling mode"
+            raise
+        shared = True
+    finally:
+        other.close()
+    if shared:
+        raise StoreError(target.shown, _PG_SHARED_SESSIONS)
 
 
 def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> int:
@@ -4136,7 +4171,13 @@ class _Postgres(_Backend):
         self._read_only, self._busy_timeout, self._retention = read_only, busy_timeout, retention
 
     def main(self) -> _Store:
-        store = _PGStore(self._target, self._identity, read_only=self._read_only, busy_timeout=self._busy_timeout)
+        store = _PGStore(
+            self._target,
+            self._identity,
+            read_only=self._read_only,
+            busy_timeout=self._busy_timeout,
+            probe=not self._read_only,
+        )
         store.retention = self._retention
         return store
 
@@ -6430,8 +6471,10 @@ class Scheduler:
         self._metrics_task = None  # (a run after a stop writes its first figures again)
         if self._systemd is not None:
             self._systemd.start_pings(loop)
+        joined = False  # (a process that never joined has nothing to leave)
         try:
             await self._join_first(loop_state)
+            joined = True
             self._poked = False
             while not self._stopping:
                 self._poked = False  # a wake from now on means: look again after this tick
@@ -6467,7 +6510,7 @@ class Scheduler:
             loop_state.watch.close()
             timers.stop()
             heartbeats.stop()
-            if self._link.open:
+            if self._link.open and joined:
                 try:
                     await self._link.call(lambda s: s.leave(self.instance))
                 except StoreError as exc:

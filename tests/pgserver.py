@@ -164,3 +164,62 @@ def query(url: str, sql: str, args=()) -> list:
         conn.execute(f'SET search_path TO "{target.schema}"')
         cursor = conn.execute(sql, args)
         return cursor.fetchall() if cursor.description else []
+
+
+class Bouncer:
+    """A PgBouncer in front of ``server``, in ``mode`` (session, transaction or statement pooling),
+    on a free port of 127.0.0.1, as the ``postgres`` user when this process is root (PgBouncer
+    refuses to run as root). ``Bouncer.missing()`` says why none can be had, or None."""
+
+    def __init__(self, server: Server, mode: str, pool_size: int = 20):
+        self.folder = tempfile.mkdtemp(prefix="anarchon-pgbouncer-")
+        self.port = _free_port()
+        runas = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        target = urllib.parse.urlsplit(server.url())
+        with open(f"{self.folder}/users.txt", "w") as handle:
+            handle.write('"postgres" ""\n')
+        with open(f"{self.folder}/pgbouncer.ini", "w") as handle:
+            handle.write(
+                "[databases]\n"
+                f"* = host={target.hostname} port={target.port}\n"
+                "[pgbouncer]\n"
+                f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+                f"auth_type = trust\nauth_file = {self.folder}/users.txt\n"
+                f"pool_mode = {mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 500\n"
+                f"logfile = {self.folder}/pgbouncer.log\npidfile = {self.folder}/pgbouncer.pid\n"
+            )
+        if runas:
+            shutil.chown(self.folder, "postgres", "postgres")
+            for name in os.listdir(self.folder):
+                shutil.chown(f"{self.folder}/{name}", "postgres", "postgres")
+        self._proc = subprocess.Popen(
+            [*runas, "pgbouncer", f"{self.folder}/pgbouncer.ini"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"pgbouncer did not start: {self._proc.stderr.read().decode()}") from None
+                time.sleep(0.05)
+
+    @staticmethod
+    def missing() -> str | None:
+        return None if shutil.which("pgbouncer") else "no pgbouncer (apt install pgbouncer)"
+
+    def url(self, **query: str) -> str:
+        tail = "?" + urllib.parse.urlencode(query) if query else ""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres{tail}"
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)

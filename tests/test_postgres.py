@@ -450,3 +450,73 @@ def test_a_lock_session_ended_where_its_owner_cannot_see_it_never_gives_two_hand
         run(main(), timeout=90)
     finally:
         proxy.close()
+
+
+@pytest.fixture
+def bouncer(request, pg_server):
+    """A real PgBouncer in front of the test server, in the pooling mode the test is parametrised by."""
+    import pgserver
+
+    reason = pgserver.Bouncer.missing()
+    if reason is not None:
+        if os.environ.get(pgserver.REQUIRED):
+            pytest.fail(f"PgBouncer is required (${pgserver.REQUIRED}) but cannot be had: {reason}")
+        pytest.skip(reason)
+    bouncer = pgserver.Bouncer(pg_server, request.param)
+    yield bouncer
+    bouncer.stop()
+
+
+@pytest.mark.parametrize("bouncer", ["transaction", "statement"], indirect=True)
+def test_a_pooler_that_shares_sessions_is_refused_at_start_in_one_line(bouncer, tmp_path):
+    url = bouncer.url(schema=f"b{os.getpid()}_{next(_names)}")
+    with pytest.raises(StoreError, match="pool_mode = session"):
+        run(Scheduler(url).trigger("nothing"))
+    crontab = tmp_path / "jobs.cron"
+    crontab.write_text("@every 1s true\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "--db", url, "crontab", str(crontab)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    [line] = [line for line in done.stderr.splitlines() if "pool_mode = session" in line]
+    assert line.startswith("anarchon-lite: postgresql://postgres@127.0.0.1:"), line
+
+
+@pytest.mark.parametrize("bouncer", ["session"], indirect=True)
+def test_through_pgbouncer_in_session_mode_every_occurrence_runs_once_and_an_ended_session_is_taken_over(bouncer):
+    """Session pooling gives each client a server session of its own for as long as it is connected:
+    it works (each process holds four connections: docs/postgresql.md)."""
+    url = bouncer.url(schema=f"b{os.getpid()}_{next(_names)}")
+    events = []
+
+    async def main():
+        a, b = Scheduler(url, instance="a", poll=0.05), Scheduler(url, instance="b", poll=0.05)
+        for s in (a, b):
+
+            @s.every("work", "24h", offset=QUIET, overlap="allow")
+            async def work(ctx):
+                events.append(("work", ctx.slot, ctx.instance, ctx.attempt))
+
+            @s.every("hold", "24h", offset=QUIET)
+            async def hold(ctx):
+                events.append(("hold", ctx.slot, ctx.instance, ctx.attempt))
+                if ctx.instance == "a":
+                    await ctx.signal.sleep(60)
+
+        async with a:
+            slot = await a.trigger("hold")
+            await wait_for(lambda: ("hold", slot, "a", 1) in events, message="a to run hold")
+            async with b:
+                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                slots = [await b.trigger("work") for _ in range(5)]
+                await wait_for(lambda: sum(e[0] == "work" for e in events) >= 5, message="five runs")
+                assert sorted(e[1] for e in events if e[0] == "work") == slots  # each once
+                assert terminate_session_of(url, "a") == [(True,)]  # (as a pooler recycling it would)
+                await wait_for(lambda: ("hold", slot, "b", 2) in events, timeout=20, message="b to take over")
+
+    run(main(), timeout=90)
