@@ -3746,6 +3746,7 @@ class _PGStore(_SQLStore):
         pq = self._psycopg.pq
         deadline = time.monotonic() + self._busy_timeout
         params = [None if a is None else str(a).encode() for a in args]
+        fresh = self._conn is None  # (a connection idle for long may have been ended by the server)
         while True:
             raw = self._connect()
             result = self._statements.run(raw.pgconn, sql, params)
@@ -3753,6 +3754,9 @@ class _PGStore(_SQLStore):
                 return int(result.command_tuples or 0)
             if raw.pgconn.status != pq.ConnStatus.OK:
                 self.close()
+                if not fresh:  # ``idle_session_timeout``: once more, on a new connection
+                    fresh = True
+                    continue
                 raise StoreError(self.path, "the connection was lost", transient=True)
             exc = self._psycopg.errors.error_from_result(result)
             if exc.sqlstate not in _PG_RETRY or time.monotonic() > deadline:

@@ -520,3 +520,42 @@ def test_through_pgbouncer_in_session_mode_every_occurrence_runs_once_and_an_end
                 await wait_for(lambda: ("hold", slot, "b", 2) in events, timeout=20, message="b to take over")
 
     run(main(), timeout=90)
+
+
+def test_idle_session_timeouts_of_a_managed_server_are_survived(pg_server, caplog):
+    """Managed services end idle sessions (``idle_session_timeout``, here 2 s on the role): the lock
+    session is kept busy within it, every other connection is opened again when it is next used. A
+    7-second run and a run after 5 idle seconds each succeed as attempt 1, nothing is aborted."""
+    role = f"idle{os.getpid()}_{next(_names)}"
+    admin = pg_server.url()
+    sql(admin, f"CREATE ROLE {role} LOGIN")
+    sql(admin, f"ALTER ROLE {role} SET idle_session_timeout = '2s'")
+    sql(admin, f"ALTER ROLE {role} SET idle_in_transaction_session_timeout = '1s'")
+    sql(admin, f"GRANT CREATE ON DATABASE postgres TO {role}")
+    url = pg_server.url(schema=role).replace("postgres@", f"{role}@", 1)
+    caplog.set_level(logging.WARNING, logger="anarchon_lite")
+
+    async def main():
+        s = Scheduler(url, poll=0.05)
+
+        @s.every("long", "24h", offset=QUIET)
+        async def long(ctx):
+            for step in range(70):
+                ctx.progress(step, 70)
+                await ctx.signal.sleep(0.1)
+
+        async with s:
+            await s.trigger("long")
+            await wait_for(lambda: _has(s, "long", (1, "succeeded")), timeout=30, message="the long run")
+            idle_since = time.monotonic()
+            await wait_for(lambda: time.monotonic() - idle_since > 5, timeout=10, message="5 idle seconds")
+            await s.trigger("long")
+            await wait_for(lambda: _count(s, "long", "succeeded", 2), timeout=30, message="the second run")
+            return await statuses(s, "long")
+
+    assert run(main(), timeout=90) == [(1, "succeeded"), (1, "succeeded")]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def _count(s, job, status, count):
+    return sum(r.status == status for r in await s.history(job, limit=100)) >= count
