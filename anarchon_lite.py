@@ -3415,7 +3415,9 @@ _PG_LEAVE = "DELETE FROM instances WHERE instance = ?"
 _PG_NEXT_KEY = "SELECT nextval('lock_keys')"
 _PG_IDLE_TIMEOUT = "SELECT setting::int FROM pg_settings WHERE name = 'idle_session_timeout'"  # (ms; 0: none)
 _PG_LOCK = "SELECT pg_try_advisory_lock({space}, ?)"
-_PG_RETRY = ("40001", "40P01")  # serialization failure, deadlock: run the transaction again
+_PG_READ_ONLY = "25006"  # a read-only server: a standby not yet promoted after a failover, or set so
+# Serialization failure, deadlock: run the transaction again; a read-only server: again, later.
+_PG_RETRY = ("40001", "40P01", _PG_READ_ONLY)
 
 
 @functools.cache
@@ -3649,7 +3651,8 @@ class _PGStore(_SQLStore):
 
     def _error(self, exc: Exception) -> StoreError:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return StoreError(self.path, text, transient=isinstance(exc, self._psycopg.OperationalError))
+        transient = isinstance(exc, self._psycopg.OperationalError) or getattr(exc, "sqlstate", None) == _PG_READ_ONLY
+        return StoreError(self.path, text, transient=transient)
 
     def _connect(self) -> Any:
         if self._conn is not None and not self._conn.closed:
@@ -3704,7 +3707,7 @@ class _PGStore(_SQLStore):
                     if getattr(exc, "sqlstate", None) not in _PG_RETRY or time.monotonic() > deadline:
                         raise
                     _pause(pause * random.random())
-                    pause = min(pause * 2, 0.1)
+                    pause = min(pause * 2, 0.5 if exc.sqlstate == _PG_READ_ONLY else 0.1)
 
         if again:
             return self._reconnecting(transaction)
@@ -3761,6 +3764,8 @@ class _PGStore(_SQLStore):
             exc = self._psycopg.errors.error_from_result(result)
             if exc.sqlstate not in _PG_RETRY or time.monotonic() > deadline:
                 raise self._error(exc) from None
+            if exc.sqlstate == _PG_READ_ONLY:
+                _pause(0.1)  # (until a standby is promoted: never a spin)
 
     def maintain(self) -> None:
         """Nothing: the server does its own upkeep."""

@@ -559,3 +559,42 @@ def test_idle_session_timeouts_of_a_managed_server_are_survived(pg_server, caplo
 
 async def _count(s, job, status, count):
     return sum(r.status == status for r in await s.history(job, limit=100)) >= count
+
+
+def test_a_read_only_server_is_waited_out_like_a_lost_connection(url, pg_server):
+    """A failover to a standby not yet promoted (here the whole server made read-only for a
+    second): the handler's checkpoint write waits and lands when the server takes writes again;
+    the run is neither failed nor taken over."""
+    admin = pg_server.url()
+    writes, done = [], asyncio.Event()
+
+    async def main():
+        s = Scheduler(url, poll=0.05)
+
+        @s.every("write", "24h", offset=QUIET)
+        async def write(ctx):
+            while not done.is_set():
+                began = time.monotonic()
+                await ctx.checkpoint.set(len(writes))
+                writes.append(time.monotonic() - began)
+                await asyncio.sleep(0.01)
+
+        async with s:
+            await s.trigger("write")
+            await wait_for(lambda: len(writes) > 5, message="the handler at work")
+            try:
+                sql(admin, "ALTER SYSTEM SET default_transaction_read_only = on")
+                sql(admin, "SELECT pg_reload_conf()")
+                read_only = time.monotonic()
+                await wait_for(lambda: time.monotonic() - read_only > 1.0, message="a second read-only")
+            finally:
+                sql(admin, "ALTER SYSTEM RESET default_transaction_read_only")
+                sql(admin, "SELECT pg_reload_conf()")
+            written = len(writes)
+            await wait_for(lambda: len(writes) > written + 5, timeout=30, message="writes again")
+            done.set()
+            await wait_for(lambda: _has(s, "write", (1, "succeeded")), timeout=30, message="the run to end")
+            return await statuses(s, "write")
+
+    assert run(main(), timeout=90) == [(1, "succeeded")]
+    assert max(writes) > 0.5, "no write met the read-only server"
