@@ -3557,6 +3557,7 @@ class _PGIdentity:
     def __init__(self) -> None:
         self.key: int | None = None
         self.held = threading.Event()
+        self.failing = ""  #: why the listening connection cannot be made, while it cannot
 
 
 class _PGPrepared:
@@ -3774,8 +3775,11 @@ class _PGStore(_SQLStore):
 
     def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
         if not self._identity.held.wait(5.0) or self._identity.key is None:
+            why = f" ({self._identity.failing})" if self._identity.failing else ""
             raise StoreError(
-                self.path, "not connected: waiting for the connection that holds this process's lock", transient=True
+                self.path,
+                f"not connected: waiting for the connection that holds this process's lock{why}",
+                transient=True,
             )
         key = self._identity.key
 
@@ -3843,27 +3847,61 @@ def _pg_prepare(raw: Any, target: _PGTarget, read_only: bool) -> int:
     if version == 0 and read_only:
         raise StoreError(target.shown, f"no anarchon_lite schema {target.schema!r} in this database")
     if version < SCHEMA_VERSION and not read_only:
-        with raw.transaction():
-            raw.execute(target.format("SELECT pg_advisory_xact_lock({space}, 0)"))
-            raw.execute(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"')
-            if not raw.execute(_pg_sql(_PG_SCHEMA_EXISTS), (tables,)).fetchone()[0]:
-                for statement in _PG_SCHEMA:
-                    raw.execute(target.format(statement))
-                raw.execute("INSERT INTO meta (version) VALUES (%s)", (SCHEMA_VERSION,))
-            version = int(raw.execute(_PG_VERSION).fetchone()[0])
-            if version < SCHEMA_VERSION:
-                _log.info("%s: migrating the schema from version %s to %s", target.shown, version, SCHEMA_VERSION)
-                for step in range(version + 1, SCHEMA_VERSION + 1):
-                    for statement in _PG_MIGRATIONS[step]:
-                        raw.execute(target.format(statement))
-                raw.execute("UPDATE meta SET version = %s", (SCHEMA_VERSION,))
-            version = SCHEMA_VERSION
+        try:
+            version = _pg_create(raw, target)
+        except _import_psycopg().errors.InsufficientPrivilege as exc:
+            what = "create" if version == 0 else f"migrate (from version {version} to {SCHEMA_VERSION})"
+            raise StoreError(
+                target.shown,
+                f"this role may not {what} schema {target.schema!r} ({str(exc).strip().splitlines()[0]}): grant it "
+                "CREATE on the database, or have an administrator run once what `anarchon-lite --db URL schema` prints",
+            ) from None
     if version > SCHEMA_VERSION:
         raise StoreError(
             target.shown,
             f"schema {target.schema!r} was written by a newer anarchon_lite (version {version}; this one knows {SCHEMA_VERSION})",
         )
     return version
+
+
+def _pg_create(raw: Any, target: _PGTarget) -> int:
+    """Create or migrate the schema (one process at a time: a transaction-level advisory lock);
+    the version it then has."""
+    with raw.transaction():
+        raw.execute(target.format("SELECT pg_advisory_xact_lock({space}, 0)"))
+        raw.execute(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"')
+        if not raw.execute(_pg_sql(_PG_SCHEMA_EXISTS), (f"{target.schema}.meta",)).fetchone()[0]:
+            for statement in _PG_SCHEMA:
+                raw.execute(target.format(statement))
+            raw.execute("INSERT INTO meta (version) VALUES (%s)", (SCHEMA_VERSION,))
+        version = int(raw.execute(_PG_VERSION).fetchone()[0])
+        if version < SCHEMA_VERSION:
+            _log.info("%s: migrating the schema from version %s to %s", target.shown, version, SCHEMA_VERSION)
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in _PG_MIGRATIONS[step]:
+                    raw.execute(target.format(statement))
+            raw.execute("UPDATE meta SET version = %s", (SCHEMA_VERSION,))
+            version = SCHEMA_VERSION
+    return version
+
+
+def _pg_schema_script(target: _PGTarget, role: str) -> str:
+    """What an administrator runs once (``psql -f``) to create the schema for a role that may not
+    create it: the schema, its tables and functions, and the rights the role needs to use them."""
+    schema, role_name = f'"{target.schema}"', '"' + role.replace('"', '""') + '"'
+    lines = [
+        "BEGIN;",
+        f"CREATE SCHEMA IF NOT EXISTS {schema};",
+        f"SET LOCAL search_path TO {schema};",
+        *(target.format(statement).strip() + ";" for statement in _PG_SCHEMA),
+        f"INSERT INTO meta (version) VALUES ({SCHEMA_VERSION});",
+        f"GRANT USAGE ON SCHEMA {schema} TO {role_name};",
+        f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role_name};",
+        f"GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {schema} TO {role_name};",
+        f"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA {schema} TO {role_name};",
+        "COMMIT;",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 # An owner's lock session can end where the owner cannot see it (a frozen network path, then the
@@ -3933,8 +3971,14 @@ class _PGChanges(_Changes):
         while not self._closed.is_set():
             try:
                 raw = self._connect()
-            except (self._psycopg.Error, StoreError) as exc:
+            except StoreError as exc:  # (the schema, or the pooler: the main connection says the same)
+                self._identity.failing = str(exc).removeprefix(f"{self._target.shown}: ")
+                self._closed.wait(pause)
+                pause = min(pause * 2, 5.0)
+                continue
+            except self._psycopg.Error as exc:
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self._identity.failing = text
                 if text != failing or time.monotonic() - logged >= 60.0:
                     _log.error(
                         "%s: cannot connect (trying again every %s): %s",
@@ -3948,7 +3992,7 @@ class _PGChanges(_Changes):
                 continue
             if failing:
                 _log.warning("%s: connected again", self._target.shown)
-            failing, pause = "", 0.5
+            failing, pause, self._identity.failing = "", 0.5, ""
             self._connected = True
             self._identity.held.set()
             self._count += 1
@@ -7972,6 +8016,8 @@ def _parser() -> argparse.ArgumentParser:
         control = command(name, text)
         control.add_argument("name", help="the job's name")
         control.add_argument("--json", action="store_true", help="say what was done as a JSON object")
+    schema = command("schema", "print the SQL that creates a PostgreSQL schema for a role that may not create it")
+    schema.add_argument("--role", help="the role that will use it (default: the URL's user)")
     run = command("run", "run the Scheduler that MODULE:ATTRIBUTE names")
     run.add_argument("target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one")
     crontab = command("crontab", "run a crontab file of shell commands")
@@ -8038,6 +8084,9 @@ def _command(args: argparse.Namespace) -> int:
         _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0
+    if args.command == "schema":
+        print(_schema_script(args.db, args.role), end="")
+        return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
     control = Control(args.db, read_only=args.command in ("status", "history", "show", "next"))
@@ -8064,6 +8113,20 @@ def _command(args: argparse.Namespace) -> int:
         result = getattr(control, args.command)(args.name)  # trigger: its slot; cancel: how many; else None
         _confirm(args.command, args.name, result, args.json)
     return 0
+
+
+def _schema_script(url: str, role: str | None) -> str:
+    """``schema``: the script an administrator runs once (``psql -f``), for the URL's schema."""
+    import urllib.parse
+
+    if not _is_postgres(url):
+        raise ConfigError(
+            "schema is for a postgresql:// URL: an SQLite file is made by the first process that opens it"
+        )
+    role = role or urllib.parse.unquote(urllib.parse.urlsplit(url).username or "")
+    if not role:
+        raise ConfigError("the URL names no user: give --role ROLE, the role that will use the schema")
+    return _pg_schema_script(_PGTarget.parse(url), role)
 
 
 def _same_store(path: str) -> str:

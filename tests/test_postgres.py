@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 
 import pytest
 from conftest import QUIET, needs_faketime, run, wait_for, wall_clock_ahead
@@ -598,3 +599,41 @@ def test_a_read_only_server_is_waited_out_like_a_lost_connection(url, pg_server)
 
     assert run(main(), timeout=90) == [(1, "succeeded")]
     assert max(writes) > 0.5, "no write met the read-only server"
+
+
+def test_a_role_without_create_gets_one_line_and_the_script_an_administrator_runs_once(pg_server, tmp_path):
+    """The role may not create the schema: one line naming the privilege and the command that
+    prints the SQL; an administrator runs that once (psql), and the role then runs its jobs."""
+    role = f"app{os.getpid()}_{next(_names)}"
+    sql(pg_server.url(), f"CREATE ROLE {role} LOGIN")
+    url = pg_server.url(schema=f"s_{role}").replace("postgres@", f"{role}@", 1)
+    with pytest.raises(StoreError, match=r"may not create schema .*anarchon-lite --db URL schema") as info:
+        run(Scheduler(url).trigger("nothing"))
+    assert len(str(info.value).splitlines()) == 1
+    command = [sys.executable, "-m", "anarchon_lite", "--db", url]
+    crontab = tmp_path / "jobs.cron"
+    crontab.write_text("@every 1s true\n")
+    done = subprocess.run([*command, "crontab", str(crontab)], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "CREATE" in done.stderr, done.stderr
+
+    script = subprocess.run([*command, "schema"], check=True, capture_output=True, text=True, timeout=60).stdout
+    admin = urllib.parse.urlsplit(pg_server.url())
+    subprocess.run(
+        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", admin.hostname, "-p", str(admin.port), "-U", "postgres"],
+        input=script,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    ran = []
+
+    async def main():
+        s = Scheduler(url, poll=0.05)
+        s.every("job", "24h", lambda ctx: ran.append(ctx.attempt), offset=QUIET)
+        async with s:
+            await s.trigger("job")
+            await wait_for(lambda: _has(s, "job", (1, "succeeded")), message="the run")
+
+    run(main())
+    assert ran == [1]
