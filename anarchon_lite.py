@@ -3924,7 +3924,7 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
 # _PG_VOUCH + _PG_VOUCH_MARGIN (or the lease ran out). The owner has stopped by then, kill -9 is
 # still taken over within about a second, and two attempts of a run never work at the same time.
 _PG_VOUCH = 0.5  # seconds: B, the longest an owner runs attempts without an answer from its lock session
-_PG_VOUCH_MARGIN = 0.25  # seconds: for the owner's thread to be late in noticing
+_PG_VOUCH_MARGIN = 0.2  # seconds: for the owner's thread to be late in noticing
 _PG_IDLE_PING = 30.0  # seconds between round trips on an idle lock session (within ``idle_session_timeout``)
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import py_compile
+import random
 import signal
 import sqlite3
 import statistics
@@ -230,6 +231,9 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+PHASES = random.Random(20261203)  # when in its run the owner of a takeover trial is killed
+
+
 def takeover(trials: int, graceful: bool, isolated: bool = False) -> dict[str, Any]:
     """Seconds from the owner's SIGKILL (or SIGTERM) to attempt 2's start in the other process;
     ``isolated``: the owner runs in a pid namespace of its own, where no /proc look reaches it."""
@@ -245,6 +249,10 @@ def takeover(trials: int, graceful: bool, isolated: bool = False) -> dict[str, A
                 fleet.start(2)
                 fleet.trigger("export")
                 owner = fleet.wait(lambda e: e["event"] == "start" and e["attempt"] == 1)["pid"]
+            # A crash comes at any moment, not in step with the other process's look (on PostgreSQL
+            # it reads the runs every 0.5 s while it watches one, the first of them when the claim
+            # is notified): killed after a random fraction of a second.
+            time.sleep(PHASES.uniform(0.0, 1.0))
             killed = time.time()
             os.kill(owner, signal.SIGTERM if graceful else signal.SIGKILL)
             second = fleet.wait(lambda e: e["event"] == "start" and e["attempt"] == 2)
