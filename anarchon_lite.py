@@ -3923,7 +3923,7 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
 # another process takes a run over on a free lock only once it has seen the lock free for
 # _PG_VOUCH + _PG_VOUCH_MARGIN (or the lease ran out). The owner has stopped by then, kill -9 is
 # still taken over within about a second, and two attempts of a run never work at the same time.
-_PG_VOUCH = 0.5  # seconds: B, the longest an owner runs attempts without an answer from its lock session
+_PG_VOUCH = 0.4  # seconds: B, the longest an owner runs attempts without an answer from its lock session
 _PG_VOUCH_MARGIN = 0.2  # seconds: for the owner's thread to be late in noticing
 _PG_IDLE_PING = 30.0  # seconds between round trips on an idle lock session (within ``idle_session_timeout``)
 
@@ -6664,10 +6664,13 @@ class Scheduler:
         elif state.recheck:
             state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
         stale = state.watching and self._clock.monotonic() >= state.read_at + state.reread - 0.01
-        if version != state.version or state.runs is None or self._dirty or stale:
+        if version != state.version or state.runs is None or self._dirty:
             self._dirty = False
             await self._read(state)
             state.version = version
+        elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
+            state.runs = await self._link.call(lambda s: s.runs())
+            state.read_at = self._clock.monotonic()
         if now_ms < state.newest - _CLOCK_SLACK_MS:
             if not self._clock_warned:
                 _log.warning(

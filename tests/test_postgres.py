@@ -13,7 +13,7 @@ import time
 import urllib.parse
 
 import pytest
-from conftest import QUIET, needs_faketime, run, wait_for, wall_clock_ahead
+from conftest import QUIET, inject, needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -637,3 +637,39 @@ def test_a_role_without_create_gets_one_line_and_the_script_an_administrator_run
 
     run(main())
     assert ran == [1]
+
+
+def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
+    """While another process's run is running, an idle process reads the runs every 0.5 s to watch
+    its owner's lock: one statement each time (it read the jobs and the newest slot too, three)."""
+    calls = {"runs": 0, "jobs": 0, "newest_slot": 0}
+    started = asyncio.Event()
+
+    def counted(name):
+        def call(original, *args):
+            calls[name] += 1
+            return original(*args)
+
+        return call
+
+    async def main():
+        a = Scheduler(url, instance="a", poll=0.05)
+        b = inject(Scheduler(url, instance="b"), **{name: counted(name) for name in calls})
+        for s in (a, b):
+
+            @s.every("long", "24h", offset=QUIET)
+            async def long(ctx):
+                started.set()
+                await ctx.signal.sleep(60)
+
+        async with a:
+            await a.trigger("long")
+            await started.wait()
+            async with b:
+                await wait_for(lambda: calls["runs"] >= 2, message="b to watch")
+                before = dict(calls)
+                await wait_for(lambda: calls["runs"] >= before["runs"] + 6, timeout=20, message="six more looks")
+                after = dict(calls)
+        assert after["jobs"] == before["jobs"] and after["newest_slot"] == before["newest_slot"], (before, after)
+
+    run(main(), timeout=60)
