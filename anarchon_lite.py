@@ -2332,6 +2332,7 @@ _BOARD_SCHEMA = (
 )
 _SQL_ENROL = "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (?, ?, ?, ?)"
 _SQL_MEMBERS = "SELECT instance, pid, start, namespace FROM members"
+_SQL_LEAVE_BOARD = "DELETE FROM members WHERE instance = ? AND pid = ?"
 _SQL_BOARD_LEASE = "SELECT until FROM leases WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
 _SQL_BOARD_RENEW = (  # {rows}: one (?, ?, ?, ?, ?) per lease: one statement, one call into SQLite
     "INSERT INTO leases (job, slot, attempt, owner, until) VALUES {rows} ON CONFLICT (job, slot, attempt) "
@@ -2358,32 +2359,40 @@ class _BoardLease(NamedTuple):
 
 class _Board:
     """The lease board of one database file (see above). Every call is one short transaction; any
-    failure is reported as "not on the board" (None or False), and the caller uses the file."""
+    failure is reported as "not on the board" (None or False), and the caller uses the file. A board
+    this process may not trust (see trust: whoever made its name could lie about leases) is refused
+    once, at ERROR, and the file used. The last member to close it removes it."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, shared_group: bool = False):
         self.path = path
+        self._shared_group = shared_group
+        self._refused = False  #: the board is not to be trusted: never used
+        self._identity: tuple[int, int] | None = None  #: (device, inode) of the board opened
         self._conn: sqlite3.Connection | None = None
         self._members: tuple[int, set[_Member]] | None = None  # (the data_version they were read at, them)
         self._purged = _NEVER  # when (lease clock) expired leases were last deleted
 
     @classmethod
-    def of(cls, directory: str | None, identity: tuple[int, int], boot_id: str | None) -> _Board | None:
+    def of(
+        cls, directory: str | None, identity: tuple[int, int], boot_id: str | None, shared_group: bool = False
+    ) -> _Board | None:
         """The board of the database file ``identity`` (device, inode) in ``directory``, if any."""
         if not directory:
             return None
         key = hashlib.sha256(f"{identity[0]}:{identity[1]}:{boot_id}".encode()).hexdigest()[:32]
-        return cls(os.path.join(directory, f"anarchon_lite-{key}.board"))
+        return cls(os.path.join(os.path.realpath(directory), f"anarchon_lite-{key}.board"), shared_group)
 
     def _connect(self, create: bool) -> sqlite3.Connection | None:
-        if self._conn is not None:
+        if self._conn is not None or self._refused:
             return self._conn
         try:
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-            elif not os.path.exists(self.path):
+            self._check_place(create)
+            if not os.path.exists(self.path):
                 return None
             conn = sqlite3.connect(self.path, timeout=0.05, isolation_level=None, check_same_thread=False)
+        except StoreError as exc:
+            self._refuse(exc)
+            return None
         except (OSError, sqlite3.Error) as exc:
             _log.debug("no lease board at %s: %s", self.path, exc)
             return None
@@ -2398,8 +2407,40 @@ class _Board:
             _log.debug("the lease board at %s cannot be used: %s", self.path, exc)
             conn.close()
             return None
+        try:
+            self._identity = self._check_opened()
+        except StoreError as exc:
+            conn.close()
+            self._refuse(exc)
+            return None
         self._conn = conn
         return conn
+
+    def _check_place(self, create: bool) -> None:
+        """Refuse (``StoreError``) a board this process may not trust, before SQLite opens it; make
+        it if ``create`` and it is missing (never through a link planted at its name)."""
+        directory = os.path.dirname(self.path)
+        _check_trusted(directory, "the lease board's directory", os.stat(directory), self._shared_group, True)
+        if create:
+            _create_file(self.path, self._shared_group)
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                _check_trusted(
+                    self.path + suffix, _board_what(suffix), os.lstat(self.path + suffix), self._shared_group
+                )
+
+    def _check_opened(self) -> tuple[int, int] | None:
+        """Refuse the files SQLite opened if this process may not trust them; the board's identity."""
+        found = _opened(self.path + suffix for suffix in ("", "-wal", "-shm")) or {}
+        for name, statuses in found.items():
+            for status in statuses:
+                _check_trusted(name, _board_what(name[len(self.path) :]), status, self._shared_group)
+        mine = found.get(self.path)
+        return (mine[0].st_dev, mine[0].st_ino) if mine else None
+
+    def _refuse(self, exc: StoreError) -> None:
+        _log.error("%s; leases are renewed in the database file instead", exc)
+        self._refused = True
 
     def _write(self, work: Callable[[sqlite3.Connection], T], transaction: bool = True) -> T | None:
         """``work``'s result, or None if the board could not be written. Without ``transaction``
@@ -2474,10 +2515,43 @@ class _Board:
         key = (claim.job, claim.slot, claim.attempt, owner)
         return bool(self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, (*progress, *key)).rowcount))
 
+    def leave(self, me: _Member) -> None:
+        """This process (``me``) is no longer a member."""
+        self._write(lambda conn: conn.execute(_SQL_LEAVE_BOARD, me[:2]))
+
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        """Close the board; remove it when no member is left (as this process's ``/proc`` tells;
+        members in another pid namespace count as alive) and this was the last connection to it
+        anywhere (SQLite then removes its -wal and -shm). A process that opened it meanwhile, and
+        now renews on a board of its own, is not a member of the next one's: each renews in the file
+        while the other runs (see the lease board)."""
+        if self._conn is None:
+            return
+        try:
+            left = [row for row in self._conn.execute(_SQL_MEMBERS) if _member_alive(tuple(row))]
+        except sqlite3.Error:
+            left = [None]
+        self._conn.close()
+        self._conn = None
+        if left or self._identity is None or any(os.path.exists(self.path + s) for s in ("-wal", "-shm")):
+            return
+        with contextlib.suppress(OSError):
+            status = os.lstat(self.path)
+            if (status.st_dev, status.st_ino) == self._identity:
+                os.unlink(self.path)
+
+
+def _board_what(suffix: str) -> str:
+    return f"the lease board's {suffix} file" if suffix else "the lease board"
+
+
+def _member_alive(member: _Member) -> bool:
+    """Whether a member of a board may still run (one in another pid namespace may)."""
+    me = _this_owner("")
+    if member[3] != me.namespace or member[3] is None:
+        return True
+    state = _process_start(member[1])
+    return state is not None and state[0] not in ("Z", "X") and member[2] in (None, state[1])
 
 
 class _SQLiteStore(_SQLStore):
@@ -2878,6 +2952,10 @@ class _SQLiteStore(_SQLStore):
 
     def leave(self, instance: str) -> None:
         self._write(lambda conn: (conn.execute(_SQL_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
+        board = self._the_board()
+        if board is not None:
+            board.leave(self._member(instance))
+            board.close()  # (removed if this was its last member; a later read opens it again)
 
     # -- the lease board ----------------------------------------------------------------------------
 
@@ -2887,7 +2965,9 @@ class _SQLiteStore(_SQLStore):
                 status = os.stat(self.path)
             except OSError:
                 return None
-            self._board = _Board.of(self._board_dir, (status.st_dev, status.st_ino), self._me.boot_id)
+            self._board = _Board.of(
+                self._board_dir, (status.st_dev, status.st_ino), self._me.boot_id, self._shared_group
+            )
         return self._board
 
     def _member(self, instance: str) -> _Member:
