@@ -154,6 +154,10 @@ class StoreError(AnarchonError):
         self.transient = transient
 
 
+class _Refused(StoreError):
+    """A file this process may not act on (another user's, or not an anarchon_lite database)."""
+
+
 class HandlerEscaped(Exception):
     """A handler raised a ``BaseException`` that is not one of the library's aborts (``SystemExit``,
     ``KeyboardInterrupt``...), or ``StopIteration``: the attempt is ``failed`` and the process goes
@@ -2182,7 +2186,7 @@ def _distrust(status: os.stat_result, shared_group: bool, directory: bool = Fals
         return "is not a directory" if directory else f"is {kind}, not a regular file"
     group = shared_group and status.st_gid in {os.getegid(), *os.getgroups()}
     if status.st_uid != me and not group and not (directory and status.st_uid == 0):
-        return f"is owned by {_user(status.st_uid)}, not by this process's user ({_user(me)})"
+        return f"is owned by {_user(status.st_uid)}, not by this process's {_user(me)}"
     if directory and mode & stat.S_ISVTX:
         return None  # (only a file's owner may remove or rename it)
     if mode & stat.S_IWOTH:
@@ -2196,7 +2200,7 @@ def _check_trusted(path: str, what: str, status: os.stat_result, shared_group: b
     """Raise ``StoreError`` naming ``path`` (``what`` it is) and the rule, if it is not to be trusted."""
     rule = _distrust(status, shared_group, directory)
     if rule is not None:
-        raise StoreError(path, f"{what} {rule}: refused (see the README's Trust model)")
+        raise _Refused(path, f"{what} {rule}: refused (see the README's Trust model)")
 
 
 def _what(suffix: str) -> str:
@@ -2819,7 +2823,7 @@ class _SQLiteStore(_SQLStore):
         if (version == 0 and objects == 0) or (version > 0 and _OWN_TABLES <= tables):
             return
         named = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-        raise StoreError(
+        raise _Refused(
             self.path,
             f"not an anarchon_lite database (it has {'tables ' + named if tables else 'no tables'} and schema "
             f"version {version}): refused, nothing written to it (give the path of a new file)",
@@ -3398,6 +3402,12 @@ class _SQLiteChanges(_Changes):
         shared_group: bool = False,
     ):
         self._store: _SQLiteStore = _SQLiteStore(path, busy_timeout=0.05, clock=clock, shared_group=shared_group)
+        try:  # (first: nothing is made beside a file that is refused)
+            self._store.data_version()
+        except _Refused:
+            raise
+        except StoreError:
+            pass  # (the scheduler's own connection says why, and tries again)
         self._files = None if poll else _FileWatch.start(path, loop, on_change)
         self._live = _Liveness(path, loop, on_change, shared_group)
         self._live.listen(_this_owner(instance))
