@@ -2625,6 +2625,12 @@ class _SQLiteStore(_SQLStore):
     def _connect(self) -> sqlite3.Connection:
         if self._conn is not None:
             return self._conn
+        if self.path in (":memory:", ""):  # (declaring jobs on such a scheduler, as tests do, opens nothing)
+            raise _Refused(
+                self.path,
+                "not supported: the processes of a scheduler share one file; give the path of one "
+                "(in a test, a file in a temporary directory)",
+            )
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise StoreError(self.path, f"directory {directory} does not exist")
@@ -3453,12 +3459,6 @@ class _SQLite(_Backend):
         durability: str,
         shared_group: bool = False,
     ):
-        if path in (":memory:", ""):
-            raise ConfigError(
-                f"{path!r} is not supported: the processes of a scheduler share one file; give the path of one "
-                "(in a test, a file in a temporary directory)",
-                option="path",
-            )
         self.path, self.where, self._clock, self._busy_timeout = path, path, clock, busy_timeout
         self.shared_group = shared_group  #: trust files of this process's groups (see trust; ``run --shared-group``)
         self._read_only, self._retention = read_only, retention
@@ -5948,7 +5948,7 @@ class Scheduler:
     of one of this process's groups, and that group may write them: an app user and a deploy user
     sharing a group; new ones are made writable by the group. Without it, those of another user, or
     that users other than the owner may write, are refused with a ``StoreError``: the README's
-    "Trust model"). ``":memory:"`` is refused at once (``ConfigError``): processes share a file.
+    "Trust model"). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
     """
 
     def __init__(

@@ -23,7 +23,7 @@ import pytest
 from conftest import QUIET, run, stop_processes, wait_for
 
 import anarchon_lite as al
-from anarchon_lite import ConfigError, Scheduler, StoreError
+from anarchon_lite import Scheduler, StoreError
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 NOBODY = 65534
@@ -246,13 +246,17 @@ def test_a_file_whose_creation_stopped_before_its_schema_is_used(tmp_path, store
 
 @pytest.mark.sqlite_only  # (":memory:" is an SQLite name)
 def test_memory_is_refused_at_once_and_makes_no_file(tmp_path, monkeypatch, store):
+    """What an APScheduler user tries first in a test: refused at the first use of the store, in
+    one line (declaring jobs on it opens nothing); no file named ``:memory:`` is made."""
     monkeypatch.chdir(tmp_path)
     started = time.monotonic()
-    with pytest.raises(ConfigError, match="':memory:' is not supported"):
-        Scheduler(":memory:")
-    assert time.monotonic() - started < 1.0 and os.listdir(tmp_path) == []
+    with pytest.raises(StoreError, match=":memory:: not supported"):
+        run(declared(":memory:").run())
+    with pytest.raises(StoreError, match=":memory:: not supported"):
+        run(Scheduler(":memory:").history())
+    assert time.monotonic() - started < 2.0 and os.listdir(tmp_path) == []
     result = cli("--db", ":memory:", "crontab", os.devnull)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "':memory:' is not supported" in result.stderr
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and ":memory:: not supported" in result.stderr
     assert os.listdir(tmp_path) == []
 
 
