@@ -183,6 +183,10 @@ class StoreError(AnarchonError):
         self.transient = transient
 
 
+class _Refused(StoreError):
+    """A file this process may not act on (another user's, or not an anarchon_lite database)."""
+
+
 class HandlerEscaped(Exception):
     """A handler raised a ``BaseException`` that is not one of the library's aborts (``SystemExit``,
     ``KeyboardInterrupt``...), or ``StopIteration``: the attempt is ``failed`` and the process goes
@@ -2091,6 +2095,9 @@ _SCHEMA = (
     _SQL_TOTALS_TABLE,
     *_SQLITE_NEWEST_TRIGGERS,
 )
+# The tables that every version of the schema has: a file with a schema version and without them is
+# another application's (``_SQLiteStore._refuse_foreign``).
+_OWN_TABLES = {"jobs", "runs", "history", "instances", "checkpoints"}
 # From each earlier version to the next, in place and in one transaction with the version change.
 # Every step only adds, so a process of the previous version still running on the file keeps working
 # (a job row it inserts has change number 0: the full read a process makes every ``_FULL_READ``
@@ -2184,6 +2191,96 @@ def _group_members(pgid: int) -> list[str]:
                 comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
                 found.append(f"{name} ({comm})")
     return found
+
+
+# Trust (the README's "Trust model"): the files this process acts on must be its own. A database, its
+# -wal and -shm, the lease board or the liveness directory that another user owns, or that users
+# other than the owner may write, could make this process run, skip or record what they choose: it
+# is refused, as OpenSSH's StrictModes and cron refuse such files. With ``shared_group`` (an app
+# user and a deploy user in one group) a file whose group is one of this process's groups is
+# trusted whoever owns it, and that group may write it; a file every user may write never is. A
+# directory that holds them belongs to this user or to root (or, shared, to the group) and may be
+# written by others only if it is sticky (/tmp): there only a file's owner can remove or replace it.
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    import grp
+
+    try:
+        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _distrust(status: os.stat_result, shared_group: bool, directory: bool = False) -> str | None:
+    """The rule that a file (or directory) of ``status`` breaks, as the end of a sentence; None if
+    this process may trust it (see above)."""
+    me, mode = os.geteuid(), status.st_mode
+    if directory != stat.S_ISDIR(mode) or not (directory or stat.S_ISREG(mode)):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "a special file"
+        return "is not a directory" if directory else f"is {kind}, not a regular file"
+    group = shared_group and status.st_gid in {os.getegid(), *os.getgroups()}
+    if status.st_uid != me and not group and not (directory and status.st_uid == 0):
+        return f"is owned by {_user(status.st_uid)}, not by this process's {_user(me)}"
+    if directory and mode & stat.S_ISVTX:
+        return None  # (only a file's owner may remove or rename it)
+    if mode & stat.S_IWOTH:
+        return "may be written by every user"
+    if mode & stat.S_IWGRP and not group:
+        return f"may be written by its group, {_group(status.st_gid)} (shared_group=True, --shared-group, trusts it)"
+    return None
+
+
+def _check_trusted(path: str, what: str, status: os.stat_result, shared_group: bool, directory: bool = False) -> None:
+    """Raise ``StoreError`` naming ``path`` (``what`` it is) and the rule, if it is not to be trusted."""
+    rule = _distrust(status, shared_group, directory)
+    if rule is not None:
+        raise _Refused(path, f"{what} {rule}: refused (see the README's Trust model)")
+
+
+def _what(suffix: str) -> str:
+    """How a message names the database file (``""``) or the file beside it with ``suffix``."""
+    return f"the database's {suffix} file" if suffix else "the database file"
+
+
+def _opened(paths: Iterable[str]) -> dict[str, list[os.stat_result]] | None:
+    """The files this process has open under each of ``paths`` (absolute, links resolved), as the
+    open files themselves say (``/proc/self/fd``: not what the paths name now); None without /proc."""
+    wanted: dict[str, list[os.stat_result]] = {path: [] for path in paths}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target in wanted:
+                wanted[target].append(os.stat(f"/proc/self/fd/{name}"))
+        except OSError:
+            continue  # (closed meanwhile)
+    return wanted
+
+
+def _create_file(path: str, shared_group: bool) -> bool:
+    """Create ``path`` empty, owner-only (with ``shared_group``, its group's too), never through a
+    link planted at its name; False if it existed."""
+    mode = 0o660 if shared_group else 0o600
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        return False
+    try:
+        os.fchmod(fd, mode)  # (past the umask)
+    finally:
+        os.close(fd)  # (a new file: this process holds no lock on it that closing would drop)
+    return True
 
 
 def _switch_to_wal(conn: sqlite3.Connection, path: str, timeout: float) -> None:
@@ -2281,6 +2378,7 @@ _BOARD_SCHEMA = (
 )
 _SQL_ENROL = "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (?, ?, ?, ?)"
 _SQL_MEMBERS = "SELECT instance, pid, start, namespace FROM members"
+_SQL_LEAVE_BOARD = "DELETE FROM members WHERE instance = ? AND pid = ?"
 _SQL_BOARD_LEASE = "SELECT until FROM leases WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
 _SQL_BOARD_RENEW = (  # {rows}: one (?, ?, ?, ?, ?) per lease: one statement, one call into SQLite
     "INSERT INTO leases (job, slot, attempt, owner, until) VALUES {rows} ON CONFLICT (job, slot, attempt) "
@@ -2307,32 +2405,40 @@ class _BoardLease(NamedTuple):
 
 class _Board:
     """The lease board of one database file (see above). Every call is one short transaction; any
-    failure is reported as "not on the board" (None or False), and the caller uses the file."""
+    failure is reported as "not on the board" (None or False), and the caller uses the file. A board
+    this process may not trust (see trust: whoever made its name could lie about leases) is refused
+    once, at ERROR, and the file used. The last member to close it removes it."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, shared_group: bool = False):
         self.path = path
+        self._shared_group = shared_group
+        self._refused = False  #: the board is not to be trusted: never used
+        self._identity: tuple[int, int] | None = None  #: (device, inode) of the board opened
         self._conn: sqlite3.Connection | None = None
         self._members: tuple[int, set[_Member]] | None = None  # (the data_version they were read at, them)
         self._purged = _NEVER  # when (lease clock) expired leases were last deleted
 
     @classmethod
-    def of(cls, directory: str | None, identity: tuple[int, int], boot_id: str | None) -> _Board | None:
+    def of(
+        cls, directory: str | None, identity: tuple[int, int], boot_id: str | None, shared_group: bool = False
+    ) -> _Board | None:
         """The board of the database file ``identity`` (device, inode) in ``directory``, if any."""
         if not directory:
             return None
         key = hashlib.sha256(f"{identity[0]}:{identity[1]}:{boot_id}".encode()).hexdigest()[:32]
-        return cls(os.path.join(directory, f"anarchon_lite-{key}.board"))
+        return cls(os.path.join(os.path.realpath(directory), f"anarchon_lite-{key}.board"), shared_group)
 
     def _connect(self, create: bool) -> sqlite3.Connection | None:
-        if self._conn is not None:
+        if self._conn is not None or self._refused:
             return self._conn
         try:
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-            elif not os.path.exists(self.path):
+            self._check_place(create)
+            if not os.path.exists(self.path):
                 return None
             conn = sqlite3.connect(self.path, timeout=0.05, isolation_level=None, check_same_thread=False)
+        except StoreError as exc:
+            self._refuse(exc)
+            return None
         except (OSError, sqlite3.Error) as exc:
             _log.debug("no lease board at %s: %s", self.path, exc)
             return None
@@ -2347,8 +2453,40 @@ class _Board:
             _log.debug("the lease board at %s cannot be used: %s", self.path, exc)
             conn.close()
             return None
+        try:
+            self._identity = self._check_opened()
+        except StoreError as exc:
+            conn.close()
+            self._refuse(exc)
+            return None
         self._conn = conn
         return conn
+
+    def _check_place(self, create: bool) -> None:
+        """Refuse (``StoreError``) a board this process may not trust, before SQLite opens it; make
+        it if ``create`` and it is missing (never through a link planted at its name)."""
+        directory = os.path.dirname(self.path)
+        _check_trusted(directory, "the lease board's directory", os.stat(directory), self._shared_group, True)
+        if create:
+            _create_file(self.path, self._shared_group)
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                _check_trusted(
+                    self.path + suffix, _board_what(suffix), os.lstat(self.path + suffix), self._shared_group
+                )
+
+    def _check_opened(self) -> tuple[int, int] | None:
+        """Refuse the files SQLite opened if this process may not trust them; the board's identity."""
+        found = _opened(self.path + suffix for suffix in ("", "-wal", "-shm")) or {}
+        for name, statuses in found.items():
+            for status in statuses:
+                _check_trusted(name, _board_what(name[len(self.path) :]), status, self._shared_group)
+        mine = found.get(self.path)
+        return (mine[0].st_dev, mine[0].st_ino) if mine else None
+
+    def _refuse(self, exc: StoreError) -> None:
+        _log.error("%s; leases are renewed in the database file instead", exc)
+        self._refused = True
 
     def _write(self, work: Callable[[sqlite3.Connection], T], transaction: bool = True) -> T | None:
         """``work``'s result, or None if the board could not be written. Without ``transaction``
@@ -2423,10 +2561,43 @@ class _Board:
         key = (claim.job, claim.slot, claim.attempt, owner)
         return bool(self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, (*progress, *key)).rowcount))
 
+    def leave(self, me: _Member) -> None:
+        """This process (``me``) is no longer a member."""
+        self._write(lambda conn: conn.execute(_SQL_LEAVE_BOARD, me[:2]))
+
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        """Close the board; remove it when no member is left (as this process's ``/proc`` tells;
+        members in another pid namespace count as alive) and this was the last connection to it
+        anywhere (SQLite then removes its -wal and -shm). A process that opened it meanwhile, and
+        now renews on a board of its own, is not a member of the next one's: each renews in the file
+        while the other runs (see the lease board)."""
+        if self._conn is None:
+            return
+        try:
+            left = [row for row in self._conn.execute(_SQL_MEMBERS) if _member_alive(tuple(row))]
+        except sqlite3.Error:
+            left = [None]
+        self._conn.close()
+        self._conn = None
+        if left or self._identity is None or any(os.path.exists(self.path + s) for s in ("-wal", "-shm")):
+            return
+        with contextlib.suppress(OSError):
+            status = os.lstat(self.path)
+            if (status.st_dev, status.st_ino) == self._identity:
+                os.unlink(self.path)
+
+
+def _board_what(suffix: str) -> str:
+    return f"the lease board's {suffix} file" if suffix else "the lease board"
+
+
+def _member_alive(member: _Member) -> bool:
+    """Whether a member of a board may still run (one in another pid namespace may)."""
+    me = _this_owner("")
+    if member[3] != me.namespace or member[3] is None:
+        return True
+    state = _process_start(member[1])
+    return state is not None and state[0] not in ("Z", "X") and member[2] in (None, state[1])
 
 
 class _SQLiteStore(_SQLStore):
@@ -2452,8 +2623,10 @@ class _SQLiteStore(_SQLStore):
         clock: Clock | None = None,
         board_dir: str | None = None,
         granted: dict[tuple[str, int, int], float] | None = None,
+        shared_group: bool = False,
     ):
         self.path = path
+        self._shared_group = shared_group  #: trust files of this process's groups (see trust)
         # Leases are stamped and compared on this clock's ``monotonic()``: on Linux one clock for
         # every process of a boot, whatever the wall clock does.
         self._clock = clock or Clock()
@@ -2470,6 +2643,9 @@ class _SQLiteStore(_SQLStore):
         self._lock_poll = lock_poll
         self._conn: sqlite3.Connection | None = None
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
+        #: (device, inode) of the -wal and -shm files opened with it, by suffix
+        self._beside: dict[str, tuple[int, int]] = {}
+        self._lost_beside = False  #: the path no longer names them (``rescue`` before closing)
         self._board_dir = board_dir  # where the lease board lives (None: renew in the file only)
         self._board: _Board | None = None
         self._on_board = False  #: the last renewal was made on the board (progress goes there too)
@@ -2491,6 +2667,12 @@ class _SQLiteStore(_SQLStore):
     def _connect(self) -> sqlite3.Connection:
         if self._conn is not None:
             return self._conn
+        if self.path in (":memory:", ""):  # (declaring jobs on such a scheduler, as tests do, opens nothing)
+            raise _Refused(
+                self.path,
+                "not supported: the processes of a scheduler share one file; give the path of one "
+                "(in a test, a file in a temporary directory)",
+            )
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise StoreError(self.path, f"directory {directory} does not exist")
@@ -2498,16 +2680,7 @@ class _SQLiteStore(_SQLStore):
             self._conn = self._connect_read_only()
             return self._conn
         real = _real_path(self.path)
-        if not os.path.exists(real):
-            # Create it owner-only. Never open and close an existing file here: closing any
-            # descriptor of a file drops every POSIX lock this process holds on it, SQLite's too,
-            # and another process would then think the WAL unused and delete it.
-            try:
-                os.close(os.open(real, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-            except FileExistsError:
-                pass
-            except OSError as exc:
-                raise StoreError(self.path, f"cannot create the database file: {exc.strerror}") from None
+        self._check_place(real)
         # Several processes opening a new file at once race to switch it to WAL, and the loser can
         # get a transient "disk I/O error" (seen once in CI, four load-test workers on one new
         # file): such an opening is tried again, with a new connection, for up to _OPEN_RETRY s.
@@ -2519,10 +2692,12 @@ class _SQLiteStore(_SQLStore):
                 raise StoreError(self.path, f"cannot open the database: {self._explain(exc)}") from None
             try:
                 conn.create_function("lease_clock", 0, self._clock.monotonic)
+                self._check_opened(real, ("",))  # (before anything is read from it)
                 self._prepare(conn)
                 if self._lock_poll:
                     conn.execute("PRAGMA busy_timeout = 0")  # writes look for the lock themselves
                 status = os.stat(self.path)
+                self._beside = self._check_opened(real, ("", "-wal", "-shm"))
             except StoreError as exc:
                 conn.close()
                 if "disk I/O error" not in str(exc) or time.monotonic() > deadline:
@@ -2535,12 +2710,54 @@ class _SQLiteStore(_SQLStore):
             self._conn, self._identity = conn, (status.st_dev, status.st_ino)
             return conn
 
+    def _check_place(self, real: str) -> None:
+        """Refuse (``StoreError``) what this process may not trust before SQLite opens anything: the
+        file's directory, the file, its -wal and -shm (as they are now; ``_check_opened`` looks at
+        what was opened). A missing file is created, never through a link planted at its name.
+        Never open and close an existing file here: closing any descriptor of a file drops every
+        POSIX lock this process holds on it, SQLite's too, and another process would then think the
+        WAL unused and delete it."""
+        directory = os.path.dirname(os.path.abspath(real))
+        _check_trusted(directory, "the database's directory", os.stat(directory), self._shared_group, directory=True)
+        try:
+            _create_file(real, self._shared_group)
+        except OSError as exc:
+            if os.path.isdir(real):
+                raise StoreError(self.path, "is a directory, not a database file") from None
+            raise StoreError(self.path, f"cannot create the database file: {exc.strerror}") from None
+        for suffix in ("", "-wal", "-shm"):
+            try:
+                status = os.lstat(real + suffix)
+            except FileNotFoundError:
+                continue
+            if suffix == "" and stat.S_ISDIR(status.st_mode):
+                raise StoreError(self.path, "is a directory, not a database file")
+            _check_trusted(real + suffix, _what(suffix), status, self._shared_group)
+
+    def _check_opened(self, real: str, suffixes: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Refuse the files SQLite opened (the database, and its -wal and -shm files: ``suffixes``)
+        if this process may not trust them (a file swapped in after ``_check_place`` looked); their
+        (device, inode) by suffix, as the open files say. Without ``/proc``, as the paths say."""
+        full = os.path.realpath(real)
+        names = {full + suffix: suffix for suffix in suffixes}
+        found = _opened(names)
+        identities = {}
+        for name, suffix in names.items():
+            what = _what(suffix)
+            statuses = found[name] if found is not None else [os.stat(name)] if os.path.exists(name) else []
+            for status in statuses:
+                _check_trusted(name, what, status, self._shared_group)
+                identities[suffix] = (status.st_dev, status.st_ino)
+        return identities
+
     def _connect_read_only(self) -> sqlite3.Connection:
         """Open the file only to read it: nothing is created, switched or migrated. In a directory
         this process cannot write, with no other process using the file (no ``-wal`` to read), the
         file is opened as immutable: there is nothing newer than the file itself to see."""
         if not os.path.exists(self.path):
             raise StoreError(self.path, "no such database file")
+        if os.path.isdir(self.path):
+            raise StoreError(self.path, "is a directory, not a database file")
         import urllib.parse
 
         uri = "file:" + urllib.parse.quote(os.fsencode(os.path.abspath(self.path))) + "?mode=ro"
@@ -2580,16 +2797,47 @@ class _SQLiteStore(_SQLStore):
         return text
 
     def file_changed(self) -> str | None:
-        """``"deleted"`` or ``"replaced"`` if the path no longer names the file this store opened."""
+        """Which of the files this store opened the path no longer names, as a sentence: the
+        database file, or its -wal or -shm file (SQLite keeps them open by descriptor: a process
+        opening the path now would make new ones, and each would believe it alone writes the file)."""
         if self._conn is None or self._identity is None:
             return None
+        change = self._changed(self.path, self._identity)
+        if change is not None:
+            return f"the database file {self.path} was {change} while in use"
+        real = _real_path(self.path)
+        for suffix, identity in self._beside.items():
+            change = self._changed(real + suffix, identity) if suffix else None
+            if change is not None:
+                self._lost_beside = True
+                return f"the {suffix} file of the database {self.path} was {change} while in use"
+        return None
+
+    @staticmethod
+    def _changed(path: str, identity: tuple[int, int]) -> str | None:
         try:
-            status = os.stat(self.path)
+            status = os.stat(path)
         except FileNotFoundError:
             return "deleted"
         except OSError:
             return None
-        return None if (status.st_dev, status.st_ino) == self._identity else "replaced"
+        return None if (status.st_dev, status.st_ino) == identity else "replaced"
+
+    def rescue(self) -> None:
+        """After its -wal or -shm was deleted or replaced (``file_changed``): write what the WAL
+        this connection still has open holds into the file itself, so that the processes that open
+        the path afresh find every commit; unless one already has (new -wal and -shm files are at
+        the path: writing into the file under it could corrupt what it reads). Then close."""
+        conn, real = self._conn, _real_path(self.path)
+        lost, self._lost_beside = self._lost_beside, False
+        if lost and conn is not None and not (os.path.exists(real + "-wal") or os.path.exists(real + "-shm")):
+            deadline = time.monotonic() + 2.0
+            try:
+                while conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()[0] and time.monotonic() < deadline:
+                    _pause(0.01)  # (busy: a process of the same group is writing)
+            except sqlite3.Error as exc:
+                _log.error("%s: the WAL of the file's deleted -wal could not be written back: %s", self.path, exc)
+        self.close()
 
     def _refuse_newer(self, version: int) -> None:
         raise StoreError(
@@ -2599,6 +2847,7 @@ class _SQLiteStore(_SQLStore):
     def _prepare(self, conn: sqlite3.Connection) -> None:
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
+            self._refuse_foreign(conn, version)
             if version > SCHEMA_VERSION:
                 self._refuse_newer(version)
             if version == 0:  # (a file with anything in it keeps its page size)
@@ -2612,6 +2861,21 @@ class _SQLiteStore(_SQLStore):
                 self._create_schema(conn)
         except sqlite3.DatabaseError as exc:
             raise StoreError(self.path, self._explain(exc)) from None
+
+    def _refuse_foreign(self, conn: sqlite3.Connection, version: int) -> None:
+        """Refuse, before anything is written to it, a file that is neither new (no schema at all:
+        an empty file, or one whose creation stopped before its schema was written) nor ours (a
+        schema version and the tables of every version)."""
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        objects = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        if (version == 0 and objects == 0) or (version > 0 and _OWN_TABLES <= tables):
+            return
+        named = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise _Refused(
+            self.path,
+            f"not an anarchon_lite database (it has {'tables ' + named if tables else 'no tables'} and schema "
+            f"version {version}): refused, nothing written to it (give the path of a new file)",
+        )
 
     def _create_schema(self, conn: sqlite3.Connection) -> None:
         """Create the schema in a new file, or migrate an older one in place (one transaction)."""
@@ -2752,6 +3016,10 @@ class _SQLiteStore(_SQLStore):
 
     def leave(self, instance: str) -> None:
         self._write(lambda conn: (conn.execute(_SQL_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
+        board = self._the_board()
+        if board is not None:
+            board.leave(self._member(instance))
+            board.close()  # (removed if this was its last member; a later read opens it again)
 
     # -- the lease board ----------------------------------------------------------------------------
 
@@ -2761,7 +3029,9 @@ class _SQLiteStore(_SQLStore):
                 status = os.stat(self.path)
             except OSError:
                 return None
-            self._board = _Board.of(self._board_dir, (status.st_dev, status.st_ino), self._me.boot_id)
+            self._board = _Board.of(
+                self._board_dir, (status.st_dev, status.st_ino), self._me.boot_id, self._shared_group
+            )
         return self._board
 
     def _member(self, instance: str) -> _Member:
@@ -2897,16 +3167,17 @@ class _SQLiteStore(_SQLStore):
 
 def _real_path(path: str) -> str:
     """The file that ``path`` names, symbolic links followed (SQLite keeps the -wal and -shm files
-    beside it). A link in a directory anyone can write, owned by someone other than this user or
-    root, is refused: whoever made it could point it at any file this process may write."""
+    beside it). As the kernel's ``protected_symlinks`` rule has it, a link in a directory that every
+    user may write is followed only if this user or the directory's owner made it: whoever else
+    made it could point it at any file this process may write."""
     if not os.path.islink(path):
         return path
     directory = os.path.dirname(os.path.abspath(path))
-    owner = os.lstat(path).st_uid
-    if os.stat(directory).st_mode & stat.S_IWOTH and owner not in (os.geteuid(), 0):
+    owner, place = os.lstat(path).st_uid, os.stat(directory)
+    if place.st_mode & stat.S_IWOTH and owner not in (os.geteuid(), place.st_uid):
         raise StoreError(
             path,
-            f"a symbolic link owned by uid {owner} in {directory}, which anyone can write: refused "
+            f"a symbolic link owned by {_user(owner)} in {directory}, which every user may write: refused "
             "(give the path of the file itself)",
         )
     return os.path.realpath(path)
@@ -3024,8 +3295,11 @@ class _Liveness:
 
     _FORGET = 60.0
 
-    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]):
+    def __init__(
+        self, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], shared_group: bool = False
+    ):
         self._dir = _real_path(path) + "-live"
+        self._shared_group = shared_group
         self._loop, self._on_change = loop, on_change
         self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
         self._listener: socket.socket | None = None
@@ -3040,12 +3314,24 @@ class _Liveness:
         return f"/proc/self/fd/{self._dir_fd}/{name}"
 
     def _open_dir(self) -> bool:
+        """Open the directory (made owner-only, or its group's too when shared); ``StoreError`` if
+        this process may not trust it: whoever may write it could plant a socket that lies about
+        who is alive."""
         if self._dir_fd is None:
+            mode = 0o770 if self._shared_group else 0o700
             try:
-                os.makedirs(self._dir, mode=0o700, exist_ok=True)
-                self._dir_fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self._dir, mode)  # (never through a link: mkdir does not follow one)
+                    os.chmod(self._dir, mode)  # (past the umask)
+                fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             except OSError:
                 return False
+            try:
+                _check_trusted(self._dir, "the liveness directory", os.fstat(fd), self._shared_group, directory=True)
+            except StoreError:
+                os.close(fd)
+                raise
+            self._dir_fd = fd
         return True
 
     def listen(self, me: _Owner) -> None:
@@ -3060,6 +3346,8 @@ class _Liveness:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(fresh)
             listener.bind(fresh)
+            if self._shared_group:
+                os.chmod(fresh, 0o770)  # (its group's processes connect to it)
             listener.listen(socket.SOMAXCONN)
             os.replace(fresh, self._where(name))  # a name that exists is always listened on
             self._own = (name, os.stat(self._where(name)).st_ino)
@@ -3089,8 +3377,11 @@ class _Liveness:
 
     def gone(self, owner: _Owner) -> str | None:
         """Why ``owner``'s process has ended, by its socket; None while it may be alive."""
-        if not self._open_dir():
-            return None
+        try:
+            if not self._open_dir():
+                return None
+        except StoreError:
+            return None  # (said when listening)
         now = time.monotonic()
         if now - self._forgot > self._FORGET / 4:
             self._forget(now)
@@ -3172,10 +3463,17 @@ class _SQLiteChanges(_Changes):
         on_change: Callable[[], None],
         poll: bool,
         instance: str,
+        shared_group: bool = False,
     ):
-        self._store: _SQLiteStore = _SQLiteStore(path, busy_timeout=0.05, clock=clock)
+        self._store: _SQLiteStore = _SQLiteStore(path, busy_timeout=0.05, clock=clock, shared_group=shared_group)
+        try:  # (first: nothing is made beside a file that is refused)
+            self._store.data_version()
+        except _Refused:
+            raise
+        except StoreError:
+            pass  # (the scheduler's own connection says why, and tries again)
         self._files = None if poll else _FileWatch.start(path, loop, on_change)
-        self._live = _Liveness(path, loop, on_change)
+        self._live = _Liveness(path, loop, on_change, shared_group)
         self._live.listen(_this_owner(instance))
 
     @property
@@ -3189,8 +3487,7 @@ class _SQLiteChanges(_Changes):
             return -2
 
     def lost(self) -> str | None:
-        change = self._store.file_changed()
-        return None if change is None else f"the database file {self._store.path} was {change} while in use"
+        return self._store.file_changed()
 
     def owner_gone(self, run: _RunRow) -> str | None:
         if run.owner_pid is None:
@@ -3198,7 +3495,7 @@ class _SQLiteChanges(_Changes):
         return self._live.gone(run.holder()) or self._store.owner_gone(run)
 
     def reset(self) -> None:
-        self._store.close()
+        self._store.rescue()
 
     def close(self) -> None:
         if self._files is not None:
@@ -3210,8 +3507,18 @@ class _SQLiteChanges(_Changes):
 class _SQLite(_Backend):
     """The SQLite file at ``path``: one connection per thread of the scheduler."""
 
-    def __init__(self, path: str, clock: Clock, busy_timeout: float, read_only: bool, retention: int, durability: str):
+    def __init__(
+        self,
+        path: str,
+        clock: Clock,
+        busy_timeout: float,
+        read_only: bool,
+        retention: int,
+        durability: str,
+        shared_group: bool = False,
+    ):
         self.path, self.where, self._clock, self._busy_timeout = path, path, clock, busy_timeout
+        self.shared_group = shared_group  #: trust files of this process's groups (see trust; ``run --shared-group``)
         self._read_only, self._retention = read_only, retention
         self._synchronous = "FULL" if durability == "full" else "NORMAL"
         self._board_dir = os.environ.get("ANARCHON_BOARD_DIR", _BOARD_DIR)
@@ -3225,6 +3532,7 @@ class _SQLite(_Backend):
             read_only=self._read_only,
             clock=self._clock,
             board_dir=self._board_dir,
+            shared_group=self.shared_group,
         )
         store.retention = self._retention
         return store
@@ -3239,6 +3547,7 @@ class _SQLite(_Backend):
             clock=self._clock,
             board_dir=self._board_dir,
             granted=self._granted,
+            shared_group=self.shared_group,
         )
 
     def fallback(self) -> _Store:  # never waits for the lock
@@ -3250,12 +3559,13 @@ class _SQLite(_Backend):
             clock=self._clock,
             board_dir=self._board_dir,
             granted=self._granted,
+            shared_group=self.shared_group,
         )
 
     def changes(
         self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
     ) -> _Changes:
-        return _SQLiteChanges(self.path, self._clock, loop, on_change, poll, instance)
+        return _SQLiteChanges(self.path, self._clock, loop, on_change, poll, instance, self.shared_group)
 
 
 ###############################################################################
@@ -5985,7 +6295,12 @@ class Scheduler:
     file's commits: ``"normal"``, the default, syncs the WAL to disk at its checkpoints, so a power
     cut can lose the last commits, and an occurrence whose claim was lost may run again after power
     returns, never twice while it is on; ``"full"`` syncs every commit, for about twice the bytes
-    written. On PostgreSQL the server's ``synchronous_commit`` decides).
+    written. On PostgreSQL the server's ``synchronous_commit`` decides), ``shared_group`` (the SQLite
+    file, its -wal and -shm, the lease board and the liveness directory may belong to another user
+    of one of this process's groups, and that group may write them: an app user and a deploy user
+    sharing a group; new ones are made writable by the group. Without it, those of another user, or
+    that users other than the owner may write, are refused with a ``StoreError``: the README's
+    "Trust model"). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
     """
 
     def __init__(
@@ -6003,6 +6318,7 @@ class Scheduler:
         notify: bool = False,
         metrics_file: str | os.PathLike | None = None,  # type: ignore[type-arg]
         durability: Literal["full", "normal"] = "normal",
+        shared_group: bool = False,
     ):
         self.path = os.fspath(path)
         if instance is not None and not (
@@ -6027,7 +6343,7 @@ class Scheduler:
         backend: _Backend = (
             _Postgres(self.path, read_only, busy_timeout, retention)
             if _is_postgres(self.path)
-            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention, durability)
+            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention, durability, shared_group)
         )
         self._where = backend.where  # the database, as messages name it
         self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
@@ -6875,8 +7191,8 @@ class Control:
     script): the same calls as ``Scheduler``'s, each run to its end on an event loop of its own.
     Do not call it from async code (use the ``Scheduler``); the command line is built on it."""
 
-    def __init__(self, path: str, *, read_only: bool = False):
-        self.scheduler = Scheduler(path, read_only=read_only)  #: what the calls go through
+    def __init__(self, path: str, *, read_only: bool = False, shared_group: bool = False):
+        self.scheduler = Scheduler(path, read_only=read_only, shared_group=shared_group)  #: what the calls go through
 
     def status(self) -> list[JobStatus]:
         return asyncio.run(self.scheduler.status())
@@ -7953,6 +8269,13 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
         help="the database file, or a postgresql:// URL (default: $ANARCHON_DB)",
     )
     parser.add_argument(
+        "--shared-group",
+        action="store_true",
+        default=default(False),
+        help="trust a database file (and its -wal, -shm, lease board, liveness directory) of another user "
+        "of one of this process's groups that the group may write (README: Trust model)",
+    )
+    parser.add_argument(
         "--log-level",
         default=default("INFO"),
         type=_log_level,
@@ -8083,6 +8406,8 @@ def _command(args: argparse.Namespace) -> int:
                 f"--db {given}: `run` uses the database its Scheduler names ({scheduler.path}); "
                 "drop --db, or name that database in the module (Scheduler(os.environ['ANARCHON_DB']) reads $ANARCHON_DB)"
             )
+        if args.shared_group and isinstance(scheduler._link.backend, _SQLite):
+            scheduler._link.backend.shared_group = True
         if scheduler._systemd is None:  # the command line is the service: it talks to systemd
             scheduler._systemd = _Notify(os.environ)
         if args.metrics_file:
@@ -8095,7 +8420,13 @@ def _command(args: argparse.Namespace) -> int:
     if not args.db:
         raise ConfigError("no database file: give --db PATH or set ANARCHON_DB")
     if args.command == "crontab":
-        scheduler = Scheduler(args.db, notify=True, metrics_file=args.metrics_file, durability=args.durability)
+        scheduler = Scheduler(
+            args.db,
+            notify=True,
+            metrics_file=args.metrics_file,
+            durability=args.durability,
+            shared_group=args.shared_group,
+        )
         _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
         _run_crontab(scheduler, args.file)
         return 0
@@ -8104,7 +8435,8 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
-    control = Control(args.db, read_only=args.command in ("status", "history", "show", "next"))
+    read_only = args.command in ("status", "history", "show", "next")
+    control = Control(args.db, read_only=read_only, shared_group=args.shared_group)
     if args.command == "status" and args.prometheus:
         print(control.prometheus(), end="")
     elif args.command == "status":
