@@ -25,11 +25,19 @@ checks, from the scheduler's file and the target's log:
 
 With ``--store postgresql`` the workers share a schema of a PostgreSQL server (a throwaway one,
 tests/pgserver.py, or ``$ANARCHON_TEST_POSTGRES``), each through a TCP proxy of its own
-(tests/tcpproxy.py), and four more kinds of fault join in: ``pg_terminate`` (the server ends the
+(tests/tcpproxy.py), and five more kinds of fault join in: ``pg_terminate`` (the server ends the
 session that holds the worker's lock, the worker living on), ``freeze`` (its connections stop
-without FIN or reset for longer than the lease: a partition), ``reset`` (its connections end with a
-TCP reset) and ``pg_restart`` (the whole server restarts, ending every session). The verdict is the
-same, from the schema (no ``integrity_check``: that is SQLite's).
+without FIN or reset for longer than the lease: a partition), ``freeze_terminate`` (both: its path
+frozen, the server ends its lock session, so the lock is free while the worker cannot hear that
+its session ended), ``reset`` (its connections end with a TCP reset) and ``pg_restart`` (the whole
+server restarts, ending every session). The verdict is the same, from the schema (no
+``integrity_check``: that is SQLite's).
+
+The summary also says the overlap: the seconds during which two attempts of one run were at work at
+once, from the target's log (an attempt works from its first logged step to its last), less the
+windows when a worker was stopped by SIGSTOP; and, beside it, the seconds their handlers had not yet
+returned at once (each logs its stop in a ``finally``): a stale handler waiting in a store call that
+the fence will refuse counts there, not as work.
 
 Any violation prints the seed and the events around it. ``tests/test_chaos.py`` runs 45 s with a
 fixed seed in CI, on each store.
@@ -64,7 +72,7 @@ JOBS = {  # name: (interval, overlap, seconds between batches, plain function)
     "thread": ("3s", "skip", 0.06, True),
 }
 KINDS = ("kill9", "kill9_transaction", "kill9_heartbeat", "kill9_checkpoint", "sigterm", "sigstop", "restart")
-PG_KINDS = ("pg_terminate", "freeze", "reset", "pg_restart")
+PG_KINDS = ("pg_terminate", "freeze", "freeze_terminate", "reset", "pg_restart")
 TARGET_SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
     job TEXT NOT NULL, slot INTEGER NOT NULL, id INTEGER NOT NULL,
@@ -137,11 +145,17 @@ class Target:
             self._local.conn = conn
         return conn
 
-    def log(self, ctx, kind: str, value: int | None = None) -> None:
+    def log(self, ctx, kind: str, value: int | None = None, t: float | None = None) -> None:
+        """Log a step of an attempt, at ``t`` (default now)."""
         self._conn().execute(
             "INSERT INTO log (job, slot, attempt, pid, kind, value, t) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (ctx.job, ctx.slot, ctx.attempt, os.getpid(), kind, value, time.time()),
+            (ctx.job, ctx.slot, ctx.attempt, os.getpid(), kind, value, time.time() if t is None else t),
         )
+
+    def stopped(self, ctx) -> None:
+        """Log that the attempt's handler stops working now (any way but a kill)."""
+        with contextlib.suppress(Exception):  # (never hides how the handler ended)
+            self.log(ctx, "stop", None, time.time())
 
     def export(self, ctx, after: int) -> None:
         """Upsert the rows after ``after`` (one batch) and log it, in one transaction."""
@@ -221,15 +235,19 @@ def worker(directory: str, location: str) -> None:
             loop = asyncio.get_running_loop()
             after = await ctx.checkpoint.get(0)
             await loop.run_in_executor(None, target.log, ctx, "start", after)
-            while after < TOTAL:
-                ctx.signal.throw_if_aborted()
-                await loop.run_in_executor(None, target.export, ctx, after)
-                after += BATCH_ROWS
-                await loop.run_in_executor(None, target.log, ctx, "saving", after)
-                await ctx.checkpoint.set(after)
-                await loop.run_in_executor(None, target.log, ctx, "saved", after)
-                await ctx.signal.sleep(pause)
-            await loop.run_in_executor(None, target.log, ctx, "done", after)
+            try:
+                while after < TOTAL:
+                    ctx.signal.throw_if_aborted()
+                    await loop.run_in_executor(None, target.export, ctx, after)
+                    after += BATCH_ROWS
+                    await loop.run_in_executor(None, target.log, ctx, "saving", after)
+                    await ctx.checkpoint.set(after)
+                    await loop.run_in_executor(None, target.log, ctx, "saved", after)
+                    await ctx.signal.sleep(pause)
+                await loop.run_in_executor(None, target.log, ctx, "done", after)
+            finally:
+                at = time.time()  # (logged from a thread: the event loop may be shutting down)
+                threading.Thread(target=target.log, args=(ctx, "stop", None, at)).start()
 
         return export
 
@@ -237,15 +255,18 @@ def worker(directory: str, location: str) -> None:
         def export(ctx):
             after = ctx.checkpoint.get_sync(0)
             target.log(ctx, "start", after)
-            while after < TOTAL:
-                ctx.signal.throw_if_aborted()
-                target.export(ctx, after)
-                after += BATCH_ROWS
-                target.log(ctx, "saving", after)
-                ctx.checkpoint.set_sync(after)
-                target.log(ctx, "saved", after)
-                ctx.signal.sleep_sync(pause)
-            target.log(ctx, "done", after)
+            try:
+                while after < TOTAL:
+                    ctx.signal.throw_if_aborted()
+                    target.export(ctx, after)
+                    after += BATCH_ROWS
+                    target.log(ctx, "saving", after)
+                    ctx.checkpoint.set_sync(after)
+                    target.log(ctx, "saved", after)
+                    ctx.signal.sleep_sync(pause)
+                target.log(ctx, "done", after)
+            finally:
+                target.stopped(ctx)
 
         return export
 
@@ -382,7 +403,7 @@ class Chaos:
     def _victim(self, kind: str) -> subprocess.Popen:
         """A random live worker; for a kill aimed at a heartbeat or a checkpoint, one running a job."""
         candidates = self.workers.alive
-        if kind in ("kill9_heartbeat", "kill9_checkpoint", "pg_terminate", "freeze"):
+        if kind in ("kill9_heartbeat", "kill9_checkpoint", "pg_terminate", "freeze", "freeze_terminate"):
             try:
                 owners = {owner for (owner,) in self.state.query("SELECT owner FROM runs WHERE state = 'running'")}
             except Exception:  # noqa: BLE001 - no file or schema yet, or the server restarting
@@ -438,22 +459,32 @@ class Chaos:
             proc.send_signal(signal.SIGSTOP)
             time.sleep(self.rng.uniform(1.5, 3.0) * LEASE)  # frozen past its lease
             proc.send_signal(signal.SIGCONT)
+            self.timeline.append((time.time(), "sigcont", proc.pid))  # (not a fault: the end of one)
         elif kind == "pg_terminate":  # the session that holds the worker's lock ends; the worker lives on
-            with contextlib.suppress(Exception):
-                self.state.query(
-                    "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN instances i ON l.objid = i.lock_key "
-                    "WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND i.instance = ?",
-                    (f"w{proc.pid}",),
-                )
-        elif kind == "freeze":  # a partition: nothing passes, nothing is closed, for longer than the lease
+            self._terminate_lock_session(proc)
+        elif kind in ("freeze", "freeze_terminate"):  # a partition: nothing passes, nothing is closed
             proxy = self.workers.proxies[proc.pid]
             proxy.freeze()
-            time.sleep(self.rng.uniform(1.5, 3.0) * LEASE)
-            proxy.thaw()
+            try:
+                if kind == "freeze_terminate":  # the lock is free; the worker cannot hear its session end
+                    self._terminate_lock_session(proc)
+                time.sleep(self.rng.uniform(1.5, 3.0) * LEASE)  # for longer than the lease
+            finally:
+                proxy.thaw()
         elif kind == "reset":
             self.workers.proxies[proc.pid].reset()
         elif kind == "pg_restart":
             self.server.restart()
+
+    def _terminate_lock_session(self, proc: subprocess.Popen) -> None:
+        """``pg_terminate_backend`` of the session that holds ``proc``'s advisory lock (the
+        controller's own connection goes straight to the server, not through the worker's proxy)."""
+        with contextlib.suppress(Exception):
+            self.state.query(
+                "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN instances i ON l.objid = i.lock_key "
+                "WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND i.instance = ?",
+                (f"w{proc.pid}",),
+            )
 
     def _stuck(self, proc: subprocess.Popen) -> None:
         """A worker that did not stop within 20 s of SIGTERM: a violation, with its threads' stacks."""
@@ -555,6 +586,8 @@ class Chaos:
                     locked += [f"{name}: {line.strip()}" for line in handle if "database is locked" in line]
         locked += [f"{key}: {e}" for key, records in by_slot.items() for _, _, e in records if e and "locked" in e]
         violations += locked
+        overlap, overlapping = overlaps(log, self.timeline)
+        alive, _ = overlaps(log, self.timeline, until_stop=True)
         return {
             "faults": dict(self.faults),
             "aimed_kills_that_hit": self.aimed_hits,
@@ -566,6 +599,9 @@ class Chaos:
             "interrupted": sum(1 for r in history if r[3] == "interrupted"),
             "resumed": resumed,
             "repeated_batches": sum(max(r[6] - r[2], 0) for r in rows) // BATCH_ROWS,
+            "overlap_seconds": overlap,
+            "overlapping": overlapping,
+            "alive_at_once_seconds": alive,
             "violations": violations,
             "log": log,
             "timeline": self.timeline,
@@ -606,6 +642,48 @@ class Chaos:
         return problems
 
 
+def _less(span: tuple[float, float], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of ``span`` outside every window."""
+    parts = [span]
+    for low, high in windows:
+        parts = [piece for a, b in parts for piece in ((a, min(b, low)), (max(a, high), b)) if piece[1] > piece[0]]
+    return parts
+
+
+def overlaps(log: list, timeline: list, until_stop: bool = False) -> tuple[float, list]:
+    """The seconds during which two attempts of one run worked at once, in all, and the pairs that
+    did ((job, slot), attempt, attempt, seconds). An attempt works from its first logged step to its
+    last (``until_stop``: to its handler's ``stop``, so also while it waits, for instance in a store
+    call that the fence will refuse), except while its process was stopped (SIGSTOP)."""
+    stopped: dict[int, list[tuple[float, float]]] = {}
+    since: dict[int, float] = {}
+    for t, kind, pid in timeline:
+        if kind == "sigstop":
+            since[pid] = t
+        elif kind == "sigcont" and pid in since:
+            stopped.setdefault(pid, []).append((since.pop(pid), t))
+    for pid, t in since.items():  # (stopped to the end: the controller's close continues it)
+        stopped.setdefault(pid, []).append((t, float("inf")))
+    spans: dict[tuple[str, int], dict[int, list]] = {}
+    for _seq, job, slot, attempt, pid, kind, _value, t in log:
+        if kind == "stop" and not until_stop:
+            continue
+        span = spans.setdefault((job, slot), {}).setdefault(attempt, [t, t, pid])
+        span[0], span[1] = min(span[0], t), max(span[1], t)
+    total, pairs = 0.0, []
+    for key, attempts in sorted(spans.items()):
+        working = {a: _less((low, high), stopped.get(pid, [])) for a, (low, high, pid) in attempts.items()}
+        for a in sorted(working):
+            for b in sorted(working):
+                if b <= a:
+                    continue
+                both = sum(max(0.0, min(h1, h2) - max(l1, l2)) for l1, h1 in working[a] for l2, h2 in working[b])
+                if both > 0:
+                    total += both
+                    pairs.append((key, a, b, round(both, 3)))
+    return total, pairs
+
+
 def describe(report: dict) -> str:
     """The summary, and for each violation the seed and the events around it."""
     lines = [
@@ -619,6 +697,12 @@ def describe(report: dict) -> str:
             f"{report['resumed']}, batches repeated {report['repeated_batches']}, skipped {report['skipped']}, "
             f"missed {report['missed']}"
         ),
+        f"overlap seconds {report['overlap_seconds']:.3f} in {len(report['overlapping'])} pairs (two attempts of "
+        "one run at work at once, from their logged steps"
+        + "".join(
+            f"; {job} {slot} attempts {a} and {b} {t:.3f} s" for (job, slot), a, b, t in report["overlapping"][:5]
+        )
+        + f"); handlers not yet returned at once {report['alive_at_once_seconds']:.3f} s",
         f"violations: {len(report['violations'])}",
     ]
     for violation in report["violations"][:20]:

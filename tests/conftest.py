@@ -191,6 +191,40 @@ def store(request, tmp_path) -> str:
     return server.url(schema=f"t{os.getpid()}_{next(_schemas)}")
 
 
+class Process:
+    """One process on the store at ``where`` (a file or a URL), its stores built as its scheduler's
+    backend builds them (``Scheduler(where)._link.backend``): ``open()`` gives a store of its own
+    connection. On PostgreSQL the process holds its advisory lock, as a running scheduler does (its
+    ``_Changes`` session), so that its stores can claim runs. ``close`` lets go of everything."""
+
+    def __init__(self, where: str, clock: anarchon_lite.Clock | None = None, **options):
+        self.backend = anarchon_lite.Scheduler(where, clock=clock, **options)._link.backend
+        self._stores: list = []
+        self._changes = None
+        if isinstance(self.backend, anarchon_lite._Postgres):
+            self._loop = asyncio.new_event_loop()  # (never run: told of changes it is not asked about)
+            self._changes = self.backend.changes(self._loop, lambda: None, False, "test")
+            if not self.backend._identity.held.wait(30):
+                self.close()
+                raise AssertionError(f"no advisory lock on {where} within 30 s")
+
+    @property
+    def postgres(self) -> bool:
+        return self._changes is not None
+
+    def open(self):
+        store = self.backend.main()
+        self._stores.append(store)
+        return store
+
+    def close(self) -> None:
+        for store in self._stores:
+            store.close()
+        if self._changes is not None:
+            self._changes.close()
+            self._loop.close()
+
+
 # -- faults through the store interface ----------------------------------------------------------
 
 

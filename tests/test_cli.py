@@ -1,4 +1,6 @@
-"""The command line, with real processes: crontab, status, history, trigger, pause, resume."""
+"""The command line, with real processes: crontab, status, history, trigger, pause, resume. Every
+test that opens a store runs on both stores (``store``); those that only read a crontab or the
+command line's arguments open none."""
 
 import contextlib
 import json
@@ -69,6 +71,12 @@ def wait_until(predicate, timeout=20.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def listed(db, name):
+    """Whether ``status`` lists ``name`` (an error until a daemon has made the store)."""
+    done = cli(db, "status", check=False)
+    return done.returncode == 0 and name in done.stdout
+
+
 def status_jobs(db):
     return json.loads(cli(db, "status", "--json").stdout)["jobs"]
 
@@ -101,14 +109,14 @@ def test_two_crontab_processes_run_each_occurrence_once(store, tmp_path, daemons
     assert sorted(succeeded) == sorted(runs)
 
 
-def test_timeout_kills_the_command_and_its_children(tmp_path, daemons):
-    db, pidfile = str(tmp_path / "jobs.db"), tmp_path / "child.pid"
+def test_timeout_kills_the_command_and_its_children(store, tmp_path, daemons):
+    db, pidfile = store, tmp_path / "child.pid"
     crontab = tmp_path / "crontab"
     crontab.write_text(
         f"SHELL=/bin/sh\n# name: hang\n# timeout: 1s\n@every 24h sleep 300 & echo $! > {pidfile}; wait\n"
     )
     daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "hang" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "hang"), what="registered")
     cli(db, "trigger", "hang")
     wait_until(lambda: any(r["status"] == "timed_out" for r in history(db, "hang")), what="timed_out")
     child = int(pidfile.read_text())
@@ -124,15 +132,15 @@ def test_timeout_kills_the_command_and_its_children(tmp_path, daemons):
     wait_until(gone, what="the child to be killed")
 
 
-def test_failing_command_exit_code_and_output_in_history(tmp_path, daemons):
-    db = str(tmp_path / "jobs.db")
+def test_failing_command_exit_code_and_output_in_history(store, tmp_path, daemons):
+    db = store
     crontab = tmp_path / "crontab"
     crontab.write_text(
         "# name: broken\n@every 24h for i in 1 2 3; do echo line $i; done; echo oops >&2; exit 3\n"
         "# name: killed\n@every 24h kill -TERM $$\n"
     )
     daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "killed" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "killed"), what="registered")
     cli(db, "trigger", "broken")
     cli(db, "trigger", "killed")
     record = wait_until(lambda: [r for r in history(db, "broken") if r["status"] == "failed"], what="failed")[0]
@@ -157,8 +165,8 @@ def test_bad_crontab_line_is_reported_with_its_line_number(tmp_path):
     assert done.returncode != 0 and f"{crontab}:2:" in done.stderr
 
 
-def test_status_shows_progress_and_control_from_another_process(tmp_path, daemons):
-    db = str(tmp_path / "jobs.db")
+def test_status_shows_progress_and_control_from_another_process(store, tmp_path, daemons):
+    db = store
     (tmp_path / "myjobs.py").write_text(
         "import asyncio\n"
         "from anarchon_lite import Scheduler\n"
@@ -179,7 +187,7 @@ def test_status_shows_progress_and_control_from_another_process(tmp_path, daemon
         stderr=subprocess.DEVNULL,
     )
     daemons.procs.append(proc)
-    wait_until(lambda: os.path.exists(db) and "work" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "work"), what="registered")
     cli(db, "trigger", "work")
     ticker = {j["name"]: j for j in status_jobs(db)}["ticker"]
     assert ticker["next_at"] is not None  # known to a process that does not declare the job
@@ -200,8 +208,8 @@ def test_status_shows_progress_and_control_from_another_process(tmp_path, daemon
     assert cli(db, "pause", "nope", check=False).returncode != 0
 
 
-def test_reboot_runs_once_per_start_of_the_group(tmp_path, daemons):
-    db, out = str(tmp_path / "jobs.db"), tmp_path / "boot.txt"
+def test_reboot_runs_once_per_start_of_the_group(store, tmp_path, daemons):
+    db, out = store, tmp_path / "boot.txt"
     crontab = tmp_path / "crontab"
     crontab.write_text(f"@reboot echo $ANARCHON_SLOT >> {out}\n")
     first = [daemons.start("--db", db, "crontab", str(crontab)) for _ in range(2)]
@@ -216,12 +224,12 @@ def test_reboot_runs_once_per_start_of_the_group(tmp_path, daemons):
     wait_until(lambda: len(out.read_text().splitlines()) == 2, what="the second @reboot")
 
 
-def test_sighup_rereads_the_file_and_keeps_the_old_table_on_a_bad_edit(tmp_path, daemons):
-    db = str(tmp_path / "jobs.db")
+def test_sighup_rereads_the_file_and_keeps_the_old_table_on_a_bad_edit(store, tmp_path, daemons):
+    db = store
     crontab = tmp_path / "crontab"
     crontab.write_text("# name: first\n@hourly true\n")
     proc = daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "first" in cli(db, "status").stdout, what="first job")
+    wait_until(lambda: listed(db, "first"), what="first job")
     crontab.write_text("# name: first\n@hourly true\n# name: second\n@every 1s echo second\n")
     proc.send_signal(signal.SIGHUP)
     wait_until(lambda: any(r["status"] == "succeeded" for r in history(db, "second")), what="the new job to run")
@@ -256,15 +264,15 @@ def start_run(tmp_path, daemons):
     return proc
 
 
-def test_sighup_to_run_is_harmless_and_a_second_interrupt_cuts_the_grace_short(tmp_path, daemons):
-    db = str(tmp_path / "jobs.db")
+def test_sighup_to_run_is_harmless_and_a_second_interrupt_cuts_the_grace_short(store, tmp_path, daemons):
+    db = store
     write_jobs(
         tmp_path,
         db,
         "@scheduler.every('deaf', '24h', grace='60s')\ndef deaf(ctx):\n    time.sleep(120)  # ignores its signal\n",
     )
     proc = start_run(tmp_path, daemons)
-    wait_until(lambda: os.path.exists(db) and "deaf" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "deaf"), what="registered")
     proc.send_signal(signal.SIGHUP)
     wait_until(lambda: "nothing to reload" in (tmp_path / "run.log").read_text(), what="the SIGHUP logged")
     cli(db, "trigger", "deaf")
@@ -280,6 +288,7 @@ def test_sighup_to_run_is_harmless_and_a_second_interrupt_cuts_the_grace_short(t
     assert [r["status"] for r in history(db, "deaf")] == ["interrupted"]
 
 
+@pytest.mark.sqlite_only  # (a missing file: a URL names a server, whose schema the first writer makes)
 def test_read_only_commands_refuse_a_missing_file_and_create_nothing(tmp_path):
     missing = str(tmp_path / "typo.db")
     for command in (["status"], ["history"], ["trigger", "x"], ["pause", "x"]):
@@ -288,6 +297,7 @@ def test_read_only_commands_refuse_a_missing_file_and_create_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.sqlite_only  # (a directory of the file system)
 def test_status_and_history_work_in_a_read_only_directory(tmp_path):
     from test_faults import read_only_directory
 
@@ -379,8 +389,8 @@ def test_command_line_mistakes_are_one_line(tmp_path):
     assert other.stderr.count("\n") == 1 and not (tmp_path / "other.db").exists()
 
 
-def test_options_before_or_after_the_command_and_each_control_command_says_what_it_did(tmp_path):
-    db = str(tmp_path / "jobs.db")
+def test_options_before_or_after_the_command_and_each_control_command_says_what_it_did(store, tmp_path):
+    db = store
     crontab = tmp_path / "crontab"
     crontab.write_text("# name: tick\n@every 24h true\n")
 
@@ -456,10 +466,10 @@ def alive(pid):
         return False
 
 
-def start_marked_command(tmp_path, daemons, seconds, copies):
+def start_marked_command(db, tmp_path, daemons, seconds, copies):
     """``copies`` daemons of a crontab whose one job marks its start, sleeps ``seconds`` and marks its
     end; the job triggered and started: (marks file, owner's pid, owner's children, the shell's pid)."""
-    db, out = str(tmp_path / "jobs.db"), tmp_path / "marks.txt"
+    out = tmp_path / "marks.txt"
     crontab = tmp_path / "crontab"
     mark = f"echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}"
     crontab.write_text(f"# name: once\n@every 24h {mark.format('start')}; sleep {seconds}; {mark.format('end')}\n")
@@ -467,7 +477,8 @@ def start_marked_command(tmp_path, daemons, seconds, copies):
         daemons.start("--db", db, "crontab", str(crontab))
 
     def joined():
-        said = json.loads(cli(db, "status", "--json").stdout) if os.path.exists(db) else {"jobs": []}
+        done = cli(db, "status", "--json", check=False)  # (an error until the first daemon made the store)
+        said = json.loads(done.stdout) if done.returncode == 0 else {"jobs": [], "processes": []}
         return [j["name"] for j in said["jobs"]] == ["once"] and len(said["processes"]) == copies
 
     wait_until(joined, what="every copy to join")
@@ -481,8 +492,8 @@ def start_marked_command(tmp_path, daemons, seconds, copies):
 
 
 @pytest.mark.parametrize("reaper", ["reaper", "no reaper"])
-def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, reaper):
-    out, owner, spawned, shell = start_marked_command(tmp_path, daemons, 6, copies=2)
+def test_after_kill_9_two_copies_of_a_command_never_overlap(store, tmp_path, daemons, reaper):
+    out, owner, spawned, shell = start_marked_command(store, tmp_path, daemons, 6, copies=2)
     if reaper == "no reaper":  # the second line of defence alone: the takeover ends the old group
         for pid, cmdline in spawned:
             if "read -r word" in cmdline:
@@ -500,9 +511,9 @@ def test_after_kill_9_two_copies_of_a_command_never_overlap(tmp_path, daemons, r
         assert "still running (process group" in log, log
 
 
-def test_after_kill_9_of_the_only_scheduler_its_command_is_ended_by_the_reaper(tmp_path, daemons):
+def test_after_kill_9_of_the_only_scheduler_its_command_is_ended_by_the_reaper(store, tmp_path, daemons):
     """No other process to take over: the reaper alone ends the command's group."""
-    out, owner, _, shell = start_marked_command(tmp_path, daemons, 60, copies=1)
+    out, owner, _, shell = start_marked_command(store, tmp_path, daemons, 60, copies=1)
     try:
         os.kill(owner, signal.SIGKILL)
         wait_until(lambda: not alive(shell), what="the reaper to end the command")
@@ -512,12 +523,12 @@ def test_after_kill_9_of_the_only_scheduler_its_command_is_ended_by_the_reaper(t
             os.killpg(shell, signal.SIGKILL)
 
 
-def test_a_command_leaving_a_background_child_ends_when_its_shell_exits(tmp_path, daemons):
-    db, pidfile = str(tmp_path / "jobs.db"), tmp_path / "child.pid"
+def test_a_command_leaving_a_background_child_ends_when_its_shell_exits(store, tmp_path, daemons):
+    db, pidfile = store, tmp_path / "child.pid"
     crontab = tmp_path / "crontab"
     crontab.write_text(f"# name: bg\n@every 24h sleep 1000 & echo $! > {pidfile}; echo started\n")
     daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "bg" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "bg"), what="registered")
     cli(db, "trigger", "bg")
     record = wait_until(lambda: [r for r in history(db, "bg") if r["status"] == "succeeded"], what="succeeded")[0]
     child = int(pidfile.read_text())
@@ -528,15 +539,15 @@ def test_a_command_leaving_a_background_child_ends_when_its_shell_exits(tmp_path
     wait_until(lambda: len([r for r in history(db, "bg") if r["status"] == "succeeded"]) == 2, what="second run")
 
 
-def test_each_run_is_logged_as_json_lines_with_its_fields(tmp_path, daemons):
+def test_each_run_is_logged_as_json_lines_with_its_fields(store, tmp_path, daemons):
     """--log-format json: one object a line; a run's start and end carry job, slot, attempt,
     status and duration, and a failed command's end says its exit code and its output's last lines."""
-    db = str(tmp_path / "jobs.db")
+    db = store
     crontab = tmp_path / "crontab"
     crontab.write_text("# name: ok\n@every 24h true\n# name: bad\n@every 24h echo first; echo oops; exit 3\n")
     daemons.start("--db", db, "--log-format", "json", "crontab", str(crontab))
     log = tmp_path / "daemon-0.log"
-    wait_until(lambda: os.path.exists(db) and "bad" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "bad"), what="registered")
     cli(db, "trigger", "ok")
     cli(db, "trigger", "bad")
 
@@ -553,10 +564,10 @@ def test_each_run_is_logged_as_json_lines_with_its_fields(tmp_path, daemons):
     assert {s["job"] for s in starts} == {"ok", "bad"} and all(s["level"] == "INFO" for s in starts)
 
 
-def test_under_the_journal_lines_carry_their_priority_and_no_timestamp(tmp_path, daemons):
+def test_under_the_journal_lines_carry_their_priority_and_no_timestamp(store, tmp_path, daemons):
     """With stderr the journal's stream ($JOURNAL_STREAM is its device and inode), each line starts
     with its sd-daemon priority: <6> for a success, <3> for a failure."""
-    db = str(tmp_path / "jobs.db")
+    db = store
     crontab = tmp_path / "crontab"
     crontab.write_text("# name: bad\n@every 24h exit 4\n")
     log = tmp_path / "journal.log"
@@ -567,7 +578,7 @@ def test_under_the_journal_lines_carry_their_priority_and_no_timestamp(tmp_path,
             [sys.executable, "-m", "anarchon_lite", "--db", db, "crontab", str(crontab)], stderr=stream, env=env
         )
     daemons.procs.append(proc)
-    wait_until(lambda: os.path.exists(db) and "bad" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "bad"), what="registered")
     cli(db, "trigger", "bad")
     wait_until(lambda: "exit code 4" in log.read_text(), what="the failure logged")
     lines = log.read_text().splitlines()
@@ -577,11 +588,11 @@ def test_under_the_journal_lines_carry_their_priority_and_no_timestamp(tmp_path,
     assert not any(line[3:7].isdigit() for line in lines), "no timestamp"
 
 
-def test_on_failure_runs_a_command_with_the_failed_attempt_and_its_output(tmp_path, daemons):
+def test_on_failure_runs_a_command_with_the_failed_attempt_and_its_output(store, tmp_path, daemons):
     """'# on_failure: COMMAND' above an entry runs COMMAND after an attempt fails (the job, slot,
     status and exit code in its environment, the output's tail on stdin), not after a success; a set
     MAILTO is said to be ignored."""
-    db, told, body = str(tmp_path / "jobs.db"), tmp_path / "told.txt", tmp_path / "body.txt"
+    db, told, body = store, tmp_path / "told.txt", tmp_path / "body.txt"
     crontab = tmp_path / "crontab"
     crontab.write_text(
         "MAILTO=ops@example.com\n"
@@ -593,7 +604,7 @@ def test_on_failure_runs_a_command_with_the_failed_attempt_and_its_output(tmp_pa
         "@every 24h true\n"
     )
     daemons.start("--db", db, "crontab", str(crontab))
-    wait_until(lambda: os.path.exists(db) and "good" in cli(db, "status").stdout, what="registered")
+    wait_until(lambda: listed(db, "good"), what="registered")
     cli(db, "trigger", "good")
     cli(db, "trigger", "bad")
     wait_until(lambda: told.exists() and told.read_text().strip(), what="on_failure ran")
@@ -604,11 +615,11 @@ def test_on_failure_runs_a_command_with_the_failed_attempt_and_its_output(tmp_pa
     assert "MAILTO is ignored" in (tmp_path / "daemon-0.log").read_text()
 
 
-def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(tmp_path, daemons):
+def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(store, tmp_path, daemons):
     """`crontab --metrics-file PATH` keeps PATH a Prometheus text file for node_exporter (runs by
     status, newest times, running attempts, its renewal lateness); `status --prometheus` prints the
     same job figures once."""
-    db, crontab, metrics = str(tmp_path / "jobs.db"), tmp_path / "crontab", tmp_path / "anarchon.prom"
+    db, crontab, metrics = store, tmp_path / "crontab", tmp_path / "anarchon.prom"
     crontab.write_text("# name: ok\n@every 24h true\n# name: bad\n@every 24h exit 3\n")
     daemons.start("--db", db, "crontab", str(crontab), "--metrics-file", str(metrics))
     wait_until(lambda: metrics.exists() and 'anarchon_job_running{job="ok"} 0' in metrics.read_text(), what="figures")
@@ -627,12 +638,12 @@ def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(tmp_pat
     assert [line for line in printed.splitlines() if "lease_renewal" not in line] == job_lines
 
 
-def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forgotten(tmp_path, daemons):
+def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forgotten(store, tmp_path, daemons):
     """``status`` shows NEXT, LEFT, LAST, PASSED and RESULT per job and the running processes;
     ``show`` and ``history --output`` print a run's whole output; ``next -n`` lists occurrences.
     An entry removed from the crontab (SIGHUP) becomes ``undeclared``: ``trigger`` refuses it,
     ``forget`` removes it (and refuses a job a running process declares)."""
-    db, crontab = str(tmp_path / "jobs.db"), tmp_path / "crontab"
+    db, crontab = store, tmp_path / "crontab"
     entries = "# name: greet\n0 3 * * * echo hello; echo world\n"
     crontab.write_text(entries + "# name: other\n30 4 * * * true\n")
     proc = daemons.start("--db", db, "crontab", str(crontab))
@@ -677,10 +688,10 @@ def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forg
     assert "no scheduler process runs on the store" in cli(db, "status").stdout
 
 
-def test_next_lists_every_job_it_can_and_names_one_whose_stored_schedule_it_cannot_read(tmp_path):
+def test_next_lists_every_job_it_can_and_names_one_whose_stored_schedule_it_cannot_read(store, tmp_path):
     """A job declared with a fixed-offset zone is stored as ``cron 0 3 * * * UTC+02:00``: ``next``
     cannot rebuild it, says so for that job, and still lists the others."""
-    db = str(tmp_path / "jobs.db")
+    db = store
 
     async def declare():
         import datetime

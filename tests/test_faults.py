@@ -1,7 +1,9 @@
-"""Store faults under a running scheduler: a lock held past the busy timeout, a full disk, a
-read-only location, the file deleted or replaced, and a file of the previous schema version.
+"""Store faults under a running scheduler. On both stores, injected through the store interface
+(``conftest.inject``): renewals failing for part of a lease, checkpoint writes failing. On the SQLite
+file, the faults only a file has: a lock held past the busy timeout, a full disk, a read-only
+location, the file deleted or replaced, and a file of a previous schema version.
 
-Each fault gives an error that names the file, damages nothing already stored, and the scheduler
+Each fault gives an error that names the store, damages nothing already stored, and the scheduler
 carries on once the fault goes away.
 """
 
@@ -15,7 +17,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, run, wait_for
+from conftest import QUIET, inject, run, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -74,6 +76,106 @@ class LockHolder:
         self._thread.join(10)
 
 
+class Outage:
+    """A fault of the store, through its interface: while ``on``, the wrapped methods raise a
+    transient ``StoreError`` naming the store; ``calls`` counts those that went through."""
+
+    def __init__(self, where, text="the store cannot be reached (injected)"):
+        self.where, self.text, self.on = where, text, False
+        self.failed, self.calls = 0, 0
+
+    def __call__(self, original, *args, **kwargs):
+        if self.on:
+            self.failed += 1
+            raise StoreError(self.where, self.text, transient=True)
+        result = original(*args, **kwargs)
+        self.calls += 1
+        return result
+
+
+def test_renewals_failing_for_half_a_lease_keep_it(store, caplog):
+    """Every renewal of the owner fails for 1.5 s of the run's 3 s lease, while a second scheduler
+    watches the run: the run keeps its lease and succeeds at attempt 1, never taken over; each
+    failure is logged naming the store, and renewals land again once the fault is gone."""
+    outage = Outage(Scheduler(store).path)
+
+    async def main():
+        a = inject(make(store, instance="a"), renew_all=outage)
+        b = make(store, instance="b")
+        done = asyncio.Event()
+        seen = []
+
+        async def work(ctx):
+            seen.append((ctx.instance, ctx.attempt))
+            await ctx.signal.run(done.wait())
+
+        for s in (a, b):
+            s.every("work", "24h", work, offset=QUIET, lease="3s")
+        async with a:
+            await a.trigger("work")
+            await wait_for(lambda: len(seen) == 1, message="the run to start")
+            async with b:
+                await wait_for(lambda: outage.calls >= 1, message="a renewal")
+                outage.on = True
+                await asyncio.sleep(1.5)  # the fault lasts this long; nothing waits on it
+                outage.on = False
+                failed, renewed = outage.failed, outage.calls
+                # renewals land again (two rounds: b watches the run meanwhile)
+                await wait_for(lambda: outage.calls >= renewed + 2, message="renewals after the fault")
+                done.set()
+                await wait_for(lambda: finished(a, "work"), message="the record")
+                assert [(at, st) for _, at, st in await records(a, "work")] == [(1, "succeeded")]
+        assert seen == [("a", 1)] and failed >= 1
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    renewals = [r.getMessage() for r in caplog.records if "lease renewal failed" in r.getMessage()]
+    assert renewals and all(outage.where in m and "injected" in m for m in renewals), renewals
+
+
+def test_a_failing_checkpoint_write_names_the_store_and_the_attempt_succeeds_once_it_works(store):
+    """A handler's checkpoint writes fail (as on a full disk) with an error naming the store; earlier
+    records are intact, and once the store works again the same attempt saves and succeeds."""
+    outage = Outage(Scheduler(store).path, "disk full (injected)")
+
+    async def main():
+        s = inject(make(store), checkpoint_write=outage)
+        go, errors = asyncio.Event(), []
+
+        @s.every("first", "24h", offset=QUIET)
+        async def first(ctx):
+            await ctx.checkpoint.set({"kept": True})
+
+        @s.every("export", "24h", offset=QUIET, lease="2s")
+        async def export(ctx):
+            await go.wait()
+            while True:
+                try:
+                    await ctx.checkpoint.set("x" * 200_000)
+                    return
+                except StoreError as exc:
+                    errors.append(exc)
+                    await ctx.signal.sleep(0.05)
+
+        async with s:
+            await s.trigger("first")
+            await wait_for(lambda: finished(s, "first"), message="the first record")
+            slot = await s.trigger("export")
+            await wait_for(lambda: s._attempts, message="the export to start")
+            outage.on = True
+            go.set()
+            await wait_for(lambda: len(errors) >= 3, message="failed writes")
+            outage.on = False
+            await wait_for(lambda: finished(s, "export"), message="the export's record")
+            assert [(at, st) for _, at, st in await records(s, "export")] == [(1, "succeeded")]
+            assert await s.checkpoints.get("export", slot) == "x" * 200_000
+            assert [st for _, _, st in await records(s, "first")] == ["succeeded"]
+        assert all(e.path == outage.where and "disk full" in str(e) for e in errors), errors
+
+    run(main())
+
+
+@pytest.mark.sqlite_only  # (SQLite's one write lock, and the lease board)
 @pytest.mark.parametrize("board", [True, False], ids=["lease-board", "no-board"])
 def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog, monkeypatch, board):
     """Writes wait 0.3 s for the lock, which another connection holds for 1.5 s, inside the run's
@@ -162,6 +264,7 @@ def _open(conn):
         return False
 
 
+@pytest.mark.sqlite_only  # (the file's page cap, SQLite's own "disk full" (on both stores: the injected one above))
 def test_full_disk_while_running(db, monkeypatch):
     """A handler's checkpoint write fails with an error naming the file while the disk is full;
     earlier records are intact, and once space returns the same attempt saves and succeeds."""
@@ -232,6 +335,7 @@ def read_only_directory(tmp_path):
         subprocess.run(["umount", "-l", str(view)], check=False, capture_output=True)
 
 
+@pytest.mark.sqlite_only  # (a directory of the file system)
 def test_read_only_directory_names_the_file_and_works_once_writable(tmp_path):
     with read_only_directory(tmp_path) as (directory, make_writable):
         path = str(directory / "jobs.db")
@@ -247,6 +351,7 @@ def test_read_only_directory_names_the_file_and_works_once_writable(tmp_path):
         assert os.stat(path).st_mode & 0o777 == 0o600
 
 
+@pytest.mark.sqlite_only  # (the file deleted (a lost lock session: test_postgres.py))
 def test_deleted_file_is_recreated_and_the_scheduler_carries_on(db, caplog):
     """The file is deleted under a running scheduler: it says so naming the file, aborts the attempt
     that was running on it (its run is gone), and carries on with a new file at the same path."""
@@ -296,6 +401,7 @@ def run_history(s, job):
         store.close()
 
 
+@pytest.mark.sqlite_only  # (the file replaced by a rename)
 def test_replaced_file_is_followed(tmp_path, caplog):
     """The file is replaced (a restore from a copy, by rename): the scheduler switches to the new
     file, registers its jobs there, and runs them in it; the old file is left as it was."""
@@ -327,6 +433,7 @@ def replaced(caplog, db):
     return any(db in r.getMessage() and "replaced" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.sqlite_only  # (a file of schema version 5, written as SQLite)
 def test_a_file_of_the_previous_version_is_read_by_status_without_being_migrated(db):
     """``status`` (read-only) of the new release on a file of the release before it, whose
     processes still run: it reads it as it is, tells nothing undeclared (those processes record no
@@ -366,6 +473,7 @@ def test_a_file_of_the_previous_version_is_read_by_status_without_being_migrated
         conn.close()
 
 
+@pytest.mark.sqlite_only  # (a file of schema version 1 (a PostgreSQL schema's: test_postgres.py))
 def test_a_file_of_the_previous_schema_is_migrated_in_place(db, caplog):
     """A file written by schema version 1, with a job, its history and a checkpoint, is migrated to
     the current version by the first scheduler that opens it; everything in it is kept."""
@@ -448,6 +556,7 @@ def fill(directory):
     return path
 
 
+@pytest.mark.sqlite_only  # (the file's own file system filled)
 def test_a_full_disk_backs_off_logs_little_and_recovers(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="anarchon_lite")
     with small_filesystem(tmp_path) as directory:
@@ -483,6 +592,7 @@ def test_a_full_disk_backs_off_logs_little_and_recovers(tmp_path, caplog):
         assert integrity(db) == "ok"
 
 
+@pytest.mark.sqlite_only  # (the file's own file system filled)
 def test_a_scheduler_that_cannot_start_on_a_full_disk_says_so(tmp_path):
     with small_filesystem(tmp_path) as directory:
         fill(directory)
@@ -494,6 +604,7 @@ def test_a_scheduler_that_cannot_start_on_a_full_disk_says_so(tmp_path):
         assert info.value.path == db and "full" in str(info.value), str(info.value)
 
 
+@pytest.mark.sqlite_only  # (a path that is a symbolic link, and inotify)
 def test_a_symlinked_file_is_watched_where_it_really_is(tmp_path, monkeypatch):
     monkeypatch.setattr(al, "_CLOCK_CHECK", 60.0)  # only the file watch can wake it in time
     (tmp_path / "real").mkdir()
@@ -514,6 +625,7 @@ def test_a_symlinked_file_is_watched_where_it_really_is(tmp_path, monkeypatch):
     run(main())
 
 
+@pytest.mark.sqlite_only  # (a path that is a symbolic link)
 def test_a_symlink_of_another_user_in_a_world_writable_directory_is_refused(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("making a link owned by another user needs root; CI runs as root")

@@ -1,18 +1,29 @@
 """Property tests: cron and rrule iteration against their oracles, and a stateful test of the store
 (claim, renew, expire, take over, hand over, finish) against a model in which at most one attempt
-holds a run at any moment. Durations and the cancellation token have theirs in their own files."""
+holds a run at any moment, on both stores. Durations and the cancellation token have theirs in their
+own files."""
 
 import datetime as dt
+import itertools
 import os
 import shutil
 import tempfile
 import zoneinfo
 
+from conftest import Process
 from cronsim import CronSim
 from dateutil import rrule as du
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+    run_state_machine_as_test,
+)
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler
@@ -129,11 +140,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.directory = tempfile.mkdtemp(prefix="anarchon-model-")
-        path = os.path.join(self.directory, "jobs.db")
-        self.mono = 1000.0  # the lease clock, shared by the three stores
-        clock = _ModelClock(self)
-        self.stores = [al._SQLiteStore(path, busy_timeout=5, clock=clock) for _ in range(3)]
+        self.mono = 1000.0  # the model's lease clock (the SQLite stores' too)
+        self.stores, self._close = self.open_stores(self)
         self.owners = [f"p{i}" for i in range(3)]
         self.holder = None  # (process, attempt) holding the run
         self.lease_until = 0.0
@@ -147,9 +155,12 @@ class StoreMachine(RuleBasedStateMachine):
         self.stores[0].register([al._Declared("job", "every 1h", 0, None, "every 1h", "model")])
 
     def teardown(self):
-        for store in self.stores:
-            store.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._close()
+
+    @staticmethod
+    def open_stores(model):
+        """Three stores of three processes on a fresh store, and what closes them (see the test)."""
+        raise NotImplementedError
 
     def _grant(self, process, claim):
         self.attempts += 1
@@ -173,7 +184,7 @@ class StoreMachine(RuleBasedStateMachine):
     def look(self, process):
         rows = self.stores[process].runs()
         assert len(rows) == (1 if self.state in ("running", "pending") else 0)
-        return (process, rows[0] if rows else None, self.version)
+        return (process, rows[0] if rows else None, self.version, self.lease_until)
 
     @rule(seconds=st.floats(0.0, 2 * LEASE))
     def time_passes(self, seconds):
@@ -193,9 +204,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(target=claims, seen=snapshots, process=st.integers(0, 2))
     def take_over(self, seen, process):
-        """Claim a pending run, or take over one whose lease ran out, as seen (maybe long ago)."""
-        _, row, version = seen
-        assume(row is not None and (row.state == "pending" or (row.lease_until or 0) < self.mono))
+        """Claim a pending run, or take over one whose lease ran out, as seen (maybe long ago). (The
+        lease is the model's as it was then: the store's compare-and-set never looks at the lease.)"""
+        _, row, version, lease_until = seen
+        assume(row is not None and (row.state == "pending" or lease_until < self.mono))
         got = self.stores[process].claim(row, self.owners[process], LEASE, 1, 100, True, "lease expired")
         if version != self.version:
             assert got is None  # the row changed since it was seen: compare-and-set refuses
@@ -230,7 +242,44 @@ class StoreMachine(RuleBasedStateMachine):
         assert holding == ([self.holder] if self.holder else [])
 
 
-StoreMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
-)
-test_store_against_its_model = StoreMachine.TestCase
+_fresh = itertools.count()
+
+
+def sqlite_stores(model):
+    """Three connections to a new file, their leases on the model's clock (the file's own
+    compare-and-set: no lease board, whose renewals do not change the row)."""
+    directory = tempfile.mkdtemp(prefix="anarchon-model-")
+    clock = _ModelClock(model)
+    stores = [al._SQLiteStore(os.path.join(directory, "jobs.db"), busy_timeout=5, clock=clock) for _ in range(3)]
+
+    def close():
+        for store in stores:
+            store.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+    return stores, close
+
+
+def test_store_against_its_model(store, request):
+    """On PostgreSQL, three processes (each holding its advisory lock) on a fresh schema per example;
+    their leases are on the server's clock, which the store's compare-and-set never reads."""
+    if store.endswith(".db"):
+        opener = sqlite_stores
+    else:
+        server = request.getfixturevalue("pg_server")
+
+        def opener(model):
+            url = server.url(schema=f"m{os.getpid()}_{next(_fresh)}")
+            processes = [Process(url) for _ in range(3)]
+            return [p.open() for p in processes], lambda: [p.close() for p in processes]
+
+    machine = type("StoreMachineOn", (StoreMachine,), {"open_stores": staticmethod(opener)})
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=40,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+        ),
+    )

@@ -1,4 +1,6 @@
-"""The SQLite store: schema, errors that name the file, atomic claims, fencing, locks, full disk."""
+"""The store's contract on both stores (atomic claims, fencing, checkpoints, history, trigger, pause,
+cancel, processes), then what only the SQLite file has: its schema and mode, errors that name the
+file, locks, a full disk, the lease board and the liveness sockets."""
 
 import asyncio
 import os
@@ -11,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ManualClock, needs_faketime, run, wait_for, wall_clock_ahead
+from conftest import ManualClock, Process, needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler, StoreError
@@ -20,16 +22,215 @@ OWNER = "a"
 OTHER = "b"
 
 
-def store(db, **kw):
-    s = al._SQLiteStore(db, **kw)
+def declared(s):
+    """``s`` with the job ``job`` declared."""
     s.register([al._Declared("job", "every 1h", 0, 3_600_000, "every 1h", "test")])
     return s
 
 
+def sqlite_store(db, **kw):
+    return declared(al._SQLiteStore(db, **kw))
+
+
+@pytest.fixture
+def process(store, clock):
+    """One process on the test's store (SQLite, whose leases are on ``clock``, or PostgreSQL)."""
+    p = Process(store, clock)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def s(process):
+    """A store of that process, as its scheduler's backend opens it, with the job ``job`` declared."""
+    return declared(process.open())
+
+
+def claim_due(s, owner, expected=0, slot=1000):
+    return s.claim_due(owner, slot, al._Due("job", expected, slot, slot + 1000, [], True, True, 30))
+
+
+# -- the contract, on both stores ----------------------------------------------------------------
+
+
+def test_exactly_one_claim_wins_across_connections(process):
+    declared(process.open())
+    stores = [process.open() for _ in range(8)]
+    results = []
+    barrier = threading.Barrier(8)
+
+    def contender(i):
+        barrier.wait()
+        results.append(claim_due(stores[i], f"p{i}"))
+
+    threads = [threading.Thread(target=contender, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(isinstance(r, al._Claim) for r in results) == 1
+    assert results.count(al._Claimless.MOVED) == 7
+
+
+def test_fencing_refuses_a_superseded_attempt(s):
+    first = claim_due(s, OWNER)
+    assert first.attempt == 1
+    row = s.runs()[0]
+    # b takes over (as if a's lease ran out)
+    second = s.claim(row, OTHER, 30, 2000, 10, True, "lease expired")
+    assert second.attempt == 2
+    assert s.renew_all("a", [first]) == [first]
+    assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
+    assert s.checkpoint_get("job", 1000, (1, "a"))[0] is False  # reads are fenced too
+    assert s.checkpoint_get("job", 1000, (2, "b"))[0] is True
+    assert s.report_progress(first, "a", (5, 10)) is None and s.runs()[0].progress_done is None
+    assert s.set_process_group(first, "a", "[1]") is False and s.process_group("job", 1000) is None
+    assert s.finish("a", al._End(first, "succeeded", None, 3000)) is False
+    assert s.checkpoint_write("job", 1000, '"fresh"', 0, (2, "b")) is True
+    assert s.finish("b", al._End(second, "succeeded", None, 3000)) is True
+    assert s.checkpoint_get("job", 1000) == (True, '"fresh"')
+    assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
+    # the row a saw is gone: its compare-and-set claim does nothing
+    assert s.claim(row, OWNER, 30, 4000, 10, True) is None
+
+
+def test_a_renewed_lease_cannot_be_taken_over(process, s):
+    claim = claim_due(s, OWNER)
+    seen = s.runs()[0]
+    if not process.postgres:  # (the renewal comes later on the lease clock: the server's moves by itself)
+        process.backend._clock.advance(1.0)
+    assert s.renew_all("a", [claim]) == []
+    s.report_progress(claim, "a", (3, 10))
+    assert s.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
+    assert s.runs()[0].progress_done == 3
+
+
+def test_missed_records_and_watermark_are_one_transaction(s):
+    missed = [(1000, None), (2000, "and 5 more")]
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, missed, False, True, 0)) is al._Claimless.RECORDED
+    assert s.job("job").last_slot == 3000
+    assert [(r.slot, r.status, r.error) for r in reversed(s.history("job", 10))] == [
+        (1000, "missed", None),
+        (2000, "missed", "and 5 more"),
+    ]
+    # a stale watermark writes nothing
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, True, 0)) is al._Claimless.MOVED
+
+
+def test_a_lease_runs_out_on_the_stores_clock(process, s):
+    """``lease_left`` counts down on the store's lease clock (the injected one on SQLite, the
+    server's on PostgreSQL); a renewal gives the whole lease again."""
+    claim = s.claim_due(OWNER, 1000, al._Due("job", 0, 1000, 2000, [], True, True, 0.5))
+    assert 0 < s.runs()[0].lease_left <= 0.5
+    if process.postgres:
+        deadline = time.monotonic() + 10
+        while s.runs()[0].lease_left >= 0:
+            assert time.monotonic() < deadline, "the lease never ran out"
+            time.sleep(0.05)
+    else:
+        process.backend._clock.advance(0.6)
+        assert s.runs()[0].lease_left < 0
+    assert s.renew_all(OWNER, [claim]) == []  # nobody took it: still held
+    assert 0 < s.runs()[0].lease_left <= 0.5
+
+
+def test_checkpoints_are_saved_read_and_deleted_for_every_process(process, s):
+    other = process.open()
+    assert s.checkpoint_get("job", 1000) == (True, None)
+    assert s.checkpoint_write("job", 1000, '{"at": 1}', 0, None) is True
+    assert other.checkpoint_get("job", 1000) == (True, '{"at": 1}')  # visible once written
+    assert other.checkpoint_write("job", 1000, '{"at": 2}', 0, None) is True
+    assert s.checkpoint_get("job", 1000) == (True, '{"at": 2}')
+    assert s.checkpoint_get("job", 2000) == (True, None)  # one checkpoint per (job, slot)
+    assert s.checkpoint_write("job", 1000, None, 0, None) is True
+    assert other.checkpoint_get("job", 1000) == (True, None)
+    # a fenced write for an attempt that holds no run is refused
+    assert s.checkpoint_write("job", 1000, '"x"', 0, (1, OWNER)) is False
+    claim = claim_due(s, OWNER)
+    assert s.checkpoint_write("job", 1000, '"mine"', 0, (claim.attempt, OWNER)) is True
+    assert other.checkpoint_get("job", 1000, (claim.attempt, OWNER)) == (True, '"mine"')
+
+
+def test_trigger_records_a_pending_run_at_the_next_free_millisecond(s):
+    assert s.trigger("job", 5000) == 5000
+    assert s.trigger("job", 5000) == 5001
+    assert [(r.slot, r.state, r.attempt) for r in s.runs()] == [(5000, "pending", 0), (5001, "pending", 0)]
+    with pytest.raises(al.JobNotFound):
+        s.trigger("nope", 5000)
+    row = s.runs()[0]
+    claim = s.claim(row, OWNER, 30, 6000, 10, False)
+    assert (claim.slot, claim.attempt) == (5000, 1)
+
+
+def test_pause_and_resume_reach_every_process_and_resume_moves_the_watermark(process, s):
+    other = process.open()
+    assert s.set_paused("job", True, 10_000) is True
+    assert other.job("job").paused == 1
+    assert s.set_paused("job", False, 20_000) is True
+    row = other.job("job")
+    assert row.paused == 0 and row.last_slot == 20_000  # a pause is not downtime
+    assert s.set_paused("nope", True, 0) is False
+
+
+def test_cancel_ends_pending_runs_at_once_and_asks_running_ones(s):
+    claim = claim_due(s, OWNER)
+    s.trigger("job", 9000)
+    assert s.cancel("job", 9500) == 2
+    (running,) = s.runs()
+    assert (running.slot, running.cancel) == (1000, True)
+    assert [(r.slot, r.status) for r in s.history("job", 10) if r.status == "cancelled"] == [(9000, "cancelled")]
+    assert s.finish(OWNER, al._End(claim, "cancelled", "cancelled", 9600)) is True
+    assert s.runs() == [] and s.cancel("job", 9700) == 0
+
+
+def test_history_is_newest_first_limited_and_pruned_to_the_retention(s):
+    s.retention = 3
+    expected = 0
+    for n in range(5):
+        slot = 1000 * (n + 1)
+        claim = s.claim_due(OWNER, slot, al._Due("job", expected, slot, slot + 1000, [], True, True, 30))
+        assert s.finish(OWNER, al._End(claim, "failed" if n == 2 else "succeeded", "boom" if n == 2 else None, slot))
+        expected = slot
+    records = s.history("job", 10)
+    assert [(r.slot, r.attempt, r.status, r.instance) for r in records] == [
+        (5000, 1, "succeeded", OWNER),
+        (4000, 1, "succeeded", OWNER),
+        (3000, 1, "failed", OWNER),
+    ]
+    assert records[2].error == "boom" and records[0].finished_at.tzinfo is not None
+    assert [r.slot for r in s.history(None, 2)] == [5000, 4000]
+    figures = {f.job: f for f in s.figures()}
+    assert figures["job"].records["succeeded"] == 4 and figures["job"].records["failed"] == 1  # kept past pruning
+
+
+def test_processes_their_declarations_and_forget(process, s):
+    assert s.join("one", 1000, ["job"]) is True  # the first of a group
+    assert s.join("two", 1000, []) is False
+    assert sorted((p.instance, p.jobs) for p in s.processes()) == [("one", 1), ("two", 0)]
+    assert s.undeclared() == [] and s.undeclared("job") == []
+    assert "declares it" in s.forget("job")
+    s.leave("one")
+    assert [p.instance for p in s.processes()] == ["two"] and s.undeclared() == ["job"]
+    s.trigger("job", 5000)
+    assert "unfinished run" in s.forget("job")
+    s.cancel("job", 5001)
+    assert s.forget("job") is None and s.jobs() == []
+    with pytest.raises(al.JobNotFound):
+        s.forget("job")
+    s.leave("two")
+    assert s.processes() == []
+
+
+# -- what only the SQLite file has ----------------------------------------------------------------
+
+
+@pytest.mark.sqlite_only  # (the file's mode, WAL and PRAGMA user_version (the schema's: test_postgres.py))
 def test_schema_wal_and_mode(db):
     old = os.umask(0o022)
     try:
-        store(db).close()
+        sqlite_store(db).close()
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
@@ -40,6 +241,7 @@ def test_schema_wal_and_mode(db):
     assert {"jobs", "runs", "history", "checkpoints"} <= tables
 
 
+@pytest.mark.sqlite_only  # (a file that is not SQLite)
 def test_not_a_database(db):
     with open(db, "wb") as handle:
         handle.write(b"this is my shopping list, not a database" * 100)
@@ -50,6 +252,7 @@ def test_not_a_database(db):
     assert Path(db).read_bytes() == before
 
 
+@pytest.mark.sqlite_only  # (the file's PRAGMA user_version (PostgreSQL's: test_postgres.py))
 def test_newer_schema_is_refused_untouched(db):
     conn = sqlite3.connect(db)
     conn.execute("CREATE TABLE future (x)")
@@ -64,6 +267,7 @@ def test_newer_schema_is_refused_untouched(db):
     assert {r[0] for r in conn.execute("SELECT name FROM sqlite_master")} == {"future"}
 
 
+@pytest.mark.sqlite_only  # (paths of the file system)
 @pytest.mark.parametrize("where", ["missing-dir/jobs.db", "a-file/jobs.db"])
 def test_unwritable_paths(tmp_path, where):
     (tmp_path / "a-file").write_text("x")
@@ -73,9 +277,10 @@ def test_unwritable_paths(tmp_path, where):
     assert info.value.path == path
 
 
+@pytest.mark.sqlite_only  # (a read-only file (a read-only server: test_postgres.py))
 def test_read_only_file_names_the_file(tmp_path):
     path = str(tmp_path / "ro.db")
-    store(path).close()
+    sqlite_store(path).close()
     if os.geteuid() == 0:
         # root ignores permission bits; an immutable view of the file is a read-only connection
         conn = al._SQLiteStore(path)
@@ -89,8 +294,9 @@ def test_read_only_file_names_the_file(tmp_path):
     assert info.value.path == path
 
 
+@pytest.mark.sqlite_only  # (the file's page cap (a full disk of the server is the server's))
 def test_full_disk_damages_nothing(db):
-    s = store(db)
+    s = sqlite_store(db)
     s.checkpoint_write("job", 1, '"kept"', 0, None)
     conn = s._connect()
     pages = conn.execute("PRAGMA page_count").fetchone()[0]
@@ -105,63 +311,9 @@ def test_full_disk_damages_nothing(db):
     assert s.checkpoint_write("job", 5000, '"after"', 0, None)  # the fault went away
 
 
-def claim_due(s, owner, expected=0, slot=1000):
-    return s.claim_due(owner, slot, al._Due("job", expected, slot, slot + 1000, [], True, True, 30))
-
-
-def test_exactly_one_claim_wins_across_connections(db):
-    store(db).close()
-    results = []
-    barrier = threading.Barrier(8)
-
-    def contender(i):
-        s = al._SQLiteStore(db)
-        barrier.wait()
-        results.append(claim_due(s, f"p{i}"))
-        s.close()
-
-    threads = [threading.Thread(target=contender, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sum(isinstance(r, al._Claim) for r in results) == 1
-    assert results.count(al._Claimless.MOVED) == 7
-
-
-def test_fencing_refuses_a_superseded_attempt(db):
-    s = store(db)
-    first = claim_due(s, OWNER)
-    assert first.attempt == 1
-    row = s.runs()[0]
-    # b takes over (as if a's lease ran out)
-    second = s.claim(row, OTHER, 30, 2000, 10, True, "lease expired")
-    assert second.attempt == 2
-    assert s.renew_all("a", [first]) == [first]
-    assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
-    assert s.checkpoint_get("job", 1000, (1, "a"))[0] is False  # reads are fenced too
-    assert s.checkpoint_get("job", 1000, (2, "b"))[0] is True
-    assert s.finish("a", al._End(first, "succeeded", None, 3000)) is False
-    assert s.checkpoint_write("job", 1000, '"fresh"', 0, (2, "b")) is True
-    assert s.finish("b", al._End(second, "succeeded", None, 3000)) is True
-    assert s.checkpoint_get("job", 1000) == (True, '"fresh"')
-    assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
-    # the row a saw is gone: its compare-and-set claim does nothing
-    assert s.claim(row, OWNER, 30, 4000, 10, True) is None
-
-
-def test_a_renewed_lease_cannot_be_taken_over(db):
-    s = store(db)
-    claim = claim_due(s, OWNER)
-    seen = s.runs()[0]
-    assert s.renew_all("a", [claim]) == []
-    s.report_progress(claim, "a", (3, 10))
-    assert s.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
-    assert s.runs()[0].progress_done == 3
-
-
+@pytest.mark.sqlite_only  # (SQLite's one write lock and its busy wait)
 def test_writes_wait_for_the_lock_instead_of_failing(db):
-    store(db).close()
+    sqlite_store(db).close()
     holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN IMMEDIATE")
     threading.Timer(0.5, holder.execute, ["COMMIT"]).start()
@@ -171,8 +323,9 @@ def test_writes_wait_for_the_lock_instead_of_failing(db):
     assert time.monotonic() - started >= 0.4
 
 
+@pytest.mark.sqlite_only  # (SQLite's one write lock and its busy wait)
 def test_lock_held_past_the_busy_timeout_is_a_store_error(db):
-    store(db).close()
+    sqlite_store(db).close()
     holder = sqlite3.connect(db, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
@@ -183,12 +336,13 @@ def test_lock_held_past_the_busy_timeout_is_a_store_error(db):
         holder.execute("ROLLBACK")
 
 
+@pytest.mark.sqlite_only  # (SQLite's write lock, looked for in pauses)
 @needs_faketime
 def test_a_write_waiting_for_the_lock_under_a_faked_wall_clock_waits_and_tells_the_lock(db):
     """A heartbeat's write looks for the lock itself, pausing between tries. In a process under
     libfaketime (a box whose clock is wrong) ``time.sleep`` fails with EINVAL from Python 3.11 on:
     such a pause killed the heartbeat (and, on PostgreSQL, a scheduler racing another at start)."""
-    s = store(db)
+    s = sqlite_store(db)
     claim = claim_due(s, OWNER)
     s.close()
     holder = sqlite3.connect(db, isolation_level=None)
@@ -216,26 +370,14 @@ def test_a_write_waiting_for_the_lock_under_a_faked_wall_clock_waits_and_tells_t
     assert "StoreError:" in done.stdout and "locked" in done.stdout, done.stdout
 
 
-def test_missed_records_and_watermark_are_one_transaction(db):
-    s = store(db)
-    missed = [(1000, None), (2000, "and 5 more")]
-    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, missed, False, True, 0)) is al._Claimless.RECORDED
-    assert s.job("job").last_slot == 3000
-    assert [(r.slot, r.status, r.error) for r in reversed(s.history("job", 10))] == [
-        (1000, "missed", None),
-        (2000, "missed", "and 5 more"),
-    ]
-    # a stale watermark writes nothing
-    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, True, 0)) is al._Claimless.MOVED
-
-
+@pytest.mark.sqlite_only  # (POSIX locks on the file and its WAL)
 def test_opening_more_connections_keeps_this_process_locks(db):
     """A second connection in this process must not drop the first one's POSIX locks; if it did,
     another process closing the file would delete the WAL that this process still writes to."""
     import subprocess
     import sys
 
-    first = store(db)
+    first = sqlite_store(db)
     second = al._SQLiteStore(db)
     second.data_version()
     subprocess.run(
@@ -253,6 +395,7 @@ def test_opening_more_connections_keeps_this_process_locks(db):
     assert fresh.execute("SELECT slot FROM runs").fetchall() == [(123,)]
 
 
+@pytest.mark.sqlite_only  # (the switch to WAL of a new file (the schema's: test_postgres.py))
 def test_many_processes_creating_one_file_at_once(tmp_path):
     """Opening a new file from several processes at once: every one ends up in WAL mode with the
     schema, none fails (switching to WAL does not wait on the busy handler by itself)."""
@@ -267,6 +410,7 @@ def test_many_processes_creating_one_file_at_once(tmp_path):
         assert [p.wait(timeout=60) for p in procs] == [0] * 6
 
 
+@pytest.mark.sqlite_only  # (liveness sockets beside the file (PostgreSQL: advisory locks))
 def test_liveness_sockets_tell_an_ended_owner_at_once_and_keep_no_descriptor_behind(tmp_path):
     db = str(tmp_path / "jobs.db")
     me = al._this_owner("")
@@ -340,6 +484,7 @@ def wal_frames(db):
     return os.path.getsize(db + "-wal") // (24 + page), page
 
 
+@pytest.mark.sqlite_only  # (the file's pages in its WAL)
 def test_a_short_occurrence_writes_at_most_ten_pages_of_1_kib(db):
     """What reaches the disk for an occurrence is the pages its two commits (claim, end) change,
     each whole: at most ten of a new file's 1 KiB pages (a job row and its change index, a run row,
@@ -374,6 +519,7 @@ def has_ended(db, slot):
         return conn.execute("SELECT status FROM history WHERE slot = ?", (slot,)).fetchone() == ("succeeded",)
 
 
+@pytest.mark.sqlite_only  # (PRAGMA synchronous of the file)
 @pytest.mark.parametrize(("given", "pragma"), [({}, 1), ({"durability": "normal"}, 1), ({"durability": "full"}, 2)])
 def test_durability_sets_how_the_file_syncs_and_a_bad_value_is_refused(db, given, pragma):
     """durability="normal" (the default) syncs the WAL at checkpoints (synchronous=NORMAL);
@@ -404,6 +550,7 @@ def commits(db):
     return lambda: conn.execute("PRAGMA data_version").fetchone()[0]
 
 
+@pytest.mark.sqlite_only  # (the lease board in /dev/shm)
 def test_renewals_are_made_on_the_lease_board_and_write_nothing_to_the_file(db, clock, tmp_path):
     """While every process of the file shares the board, a renewal (and a progress report) is
     written there, not to the file; the others see the lease and the progress on the board, and take
@@ -431,6 +578,7 @@ def test_renewals_are_made_on_the_lease_board_and_write_nothing_to_the_file(db, 
     assert a.renew_all(OWNER, [claim]) == [claim]
 
 
+@pytest.mark.sqlite_only  # (the lease board in /dev/shm)
 def test_a_renewal_made_after_its_lease_ran_out_is_made_in_the_file(db, clock, tmp_path):
     """A renewal on the board counts only if it was written while the lease it extends held: one
     written later (the owner frozen in between) may come after a taker read the board, so it is
@@ -449,6 +597,7 @@ def test_a_renewal_made_after_its_lease_ran_out_is_made_in_the_file(db, clock, t
     assert a.runs()[0].lease_until - clock.monotonic() == pytest.approx(30)
 
 
+@pytest.mark.sqlite_only  # (the lease board in /dev/shm)
 def test_a_process_not_on_the_board_makes_owners_renew_in_the_file(db, clock, tmp_path):
     """A process that cannot see the board (a container with a /dev/shm of its own) joins: owners
     renew in the file from their next renewal on, and until then the newcomer holds their runs as
@@ -475,6 +624,7 @@ def test_a_process_not_on_the_board_makes_owners_renew_in_the_file(db, clock, tm
     assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired").attempt == 2
 
 
+@pytest.mark.sqlite_only  # (the lease board in /dev/shm)
 def test_the_leases_of_ended_attempts_leave_the_board_a_minute_after_they_expire(db, clock, tmp_path):
     """Nothing is written to the board when an attempt ends: its lease expires, and a round of
     renewals a minute later deletes it, so the board does not grow with the runs."""
@@ -490,6 +640,7 @@ def test_the_leases_of_ended_attempts_leave_the_board_a_minute_after_they_expire
     assert set(board.leases()) == {("job", 2000, 1)}
 
 
+@pytest.mark.sqlite_only  # (the race to switch a new file to WAL)
 def test_a_transient_io_error_while_opening_a_new_file_is_tried_again(db, monkeypatch):
     """Processes opening a new file at once race to switch it to WAL, and the loser can get a
     "disk I/O error" (once in CI: a load-test worker died of it at start). The opening is tried
@@ -504,11 +655,11 @@ def test_a_transient_io_error_while_opening_a_new_file_is_tried_again(db, monkey
         real(conn, path, timeout)
 
     monkeypatch.setattr(al, "_switch_to_wal", racing)
-    s = store(db)
+    s = sqlite_store(db)
     assert failures == [0] and s.jobs()[0].name == "job"
     s.close()
     failures[0] = 10**6
     monkeypatch.setattr(al, "_OPEN_RETRY", 0.2)
     with pytest.raises(StoreError, match="disk I/O error") as info:
-        store(db)
+        sqlite_store(db)
     assert info.value.path == db
