@@ -1,7 +1,11 @@
 """One scheduler process for the benchmarks: ``python _worker.py SCENARIO DB OUT [ARGS...]``.
 
-Scenarios write JSON lines to OUT: ``ready``, one line per handler start, and at exit the
-heartbeat lateness samples of this process (``heartbeats``).
+Scenarios write JSON lines to OUT: ``ready`` (with the path of the anarchon_lite module imported),
+one line per handler start, and at exit the heartbeat lateness samples of this process
+(``heartbeats``); ``pgcost_busy`` keeps its starts and writes them at exit (``starts``).
+
+The worktree's anarchon_lite is imported, unless ``$PYTHONPATH`` names a folder holding another (an
+older commit's file, measured by the same benchmark).
 """
 
 from __future__ import annotations
@@ -13,14 +17,18 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# after this folder and the $PYTHONPATH entries: a folder named there comes first
+_GIVEN = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+sys.path.insert(1 + len(_GIVEN), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _spin  # (this folder is on the path: the script's own)
 
+import anarchon_lite
 from anarchon_lite import Aborted, Scheduler
 
 SCENARIO, DB, OUT = sys.argv[1:4]
 ARGS = sys.argv[4:]
+STARTS: list[tuple[str, int, float, float]] = []  # pgcost_busy: (job, slot, when, seconds late)
 
 
 def emit(kind: str, **fields: object) -> None:
@@ -136,6 +144,25 @@ def declare(scheduler: Scheduler) -> None:
         async def tick(ctx):
             await started(ctx)
 
+    elif mode == "pgcost_hold":  # DURATION COUNT AT: COUNT jobs due at the Unix second AT, each run held
+
+        async def hold(ctx):
+            await wait_out(ctx, duration)
+
+        count, at = int(ARGS[1]), int(ARGS[2])
+        for i in range(count):
+            scheduler.every(f"hold-{i}", "24h", hold, offset=f"{at % 86_400}s")
+
+    elif mode == "pgcost_busy":  # DURATION COUNT INTERVAL: COUNT jobs every INTERVAL s, spread evenly over it
+
+        async def record(ctx):
+            now = time.time()
+            STARTS.append((ctx.job, ctx.slot, now, now - ctx.slot / 1000))
+
+        count, every_ms = int(ARGS[1]), round(float(ARGS[2]) * 1000)
+        for i in range(count):
+            scheduler.every(f"tick-{i}", f"{every_ms}ms", record, offset=f"{i * every_ms // count}ms")
+
     elif mode == "idle_cost":  # nothing may come due while it is measured (up to ten minutes)
         first = (int(time.time()) + 1800) % 3600  # the first of them half an hour from now
         for i in range(10):
@@ -154,8 +181,10 @@ async def main() -> None:
     runner = asyncio.ensure_future(scheduler.run())
     while scheduler._ready is None or not scheduler._ready.is_set():
         await asyncio.sleep(0.01)
-    emit("ready")
+    emit("ready", module=anarchon_lite.__file__)
     await runner
+    if STARTS:
+        emit("starts", starts=STARTS)
     heartbeats = scheduler._heartbeats
     samples = heartbeats.lateness.samples if heartbeats else []
     emit("heartbeats", samples=samples, lost=heartbeats.lateness.lost if heartbeats else 0)

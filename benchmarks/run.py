@@ -3,7 +3,9 @@
 Measures heartbeat lateness under seven kinds of load, takeover after ``kill -9`` and hand-over
 after SIGTERM, how late runs start, the cost of an idle scheduler, the bytes written to storage per
 occurrence and per renewal (SQLite), import time and idle memory, and the same small workloads on
-APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean`` measures one section. Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
+APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean|pgcost`` measures one section
+(``pgcost``, with ``--store postgresql`` only: the server's and the schedulers' CPU with 1,000 runs
+running, a busy load of 1,000 jobs on four processes, and an idle process watching another's run). Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
 With ``--store postgresql`` every scheduler shares a throwaway PostgreSQL server (tests/pgserver.py,
 or ``$ANARCHON_TEST_POSTGRES``) instead of an SQLite file, and the takeover of an owner whose
 connections freeze (a partition, through tests/tcpproxy.py) is measured too.
@@ -464,7 +466,9 @@ def main() -> int:
     parser.add_argument("--plot", help="draw a PNG to this file")
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
-    parser.add_argument("--only", choices=("takeover", "scale", "disk", "lean"), help="measure only this section")
+    parser.add_argument(
+        "--only", choices=("takeover", "scale", "disk", "lean", "pgcost"), help="measure only this section"
+    )
     args = parser.parse_args()
     if args.store == "postgresql":
         import pgserver
@@ -814,6 +818,9 @@ def measure(args: argparse.Namespace) -> int:
         elif args.only == "lean":
             results["lean"] = lean(quick)
             report_lean(results["lean"])
+        elif args.only == "pgcost":
+            results["pgcost"] = pgcost(quick)
+            report_pgcost(results["pgcost"])
         else:
             results["scale"] = scale(quick, peers=not args.no_peers)
             report_scale(results["scale"])
@@ -855,6 +862,321 @@ def measure(args: argparse.Namespace) -> int:
 
         draw(results, args.plot)
     return 0
+
+
+# -- PostgreSQL: cost with many jobs and running runs (--only pgcost) ------------------------------
+
+
+class ServerCost:
+    """What the throwaway server spends on one database, between ``mark()`` and ``since()``: CPU
+    (the postmaster's own and its reaped children's, from /proc/PID/stat, plus every live child's:
+    backends, autovacuum, checkpointer, WAL writer; a backend that ends in between is counted by its
+    parent once reaped), statements (pg_stat_statements, reset at the mark; by role when asked),
+    transactions (pg_stat_database, for the database) and serialization failures (SQLSTATE 40001
+    and 40P01, counted in the server's log: pg_stat_statements records no failed statement)."""
+
+    def __init__(self, server: Any, database: str):
+        import psycopg
+
+        if server.folder is None:
+            raise SystemExit("--only pgcost needs a server of its own (tests/pgserver.py), not $ANARCHON_TEST_POSTGRES")
+        self.server, self.database = server, database
+        self.admin = psycopg.connect(server.url(), autocommit=True)
+        self.admin.execute(f"CREATE DATABASE {database}")
+        self.admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        if not self.admin.execute("SELECT 1 FROM pg_roles WHERE rolname = 'bench_watcher'").fetchone():
+            self.admin.execute("CREATE ROLE bench_watcher LOGIN SUPERUSER")
+        with open(os.path.join(server.folder, "data", "postmaster.pid")) as handle:
+            self.postmaster = int(handle.readline())
+        self.log = os.path.join(server.folder, "log")
+
+    def url(self, role: str = "postgres") -> str:
+        return str(self.server.url(self.database, schema="bench")).replace("//postgres@", f"//{role}@", 1)
+
+    def cpu(self) -> float:
+        """CPU seconds of the server's processes so far."""
+        tick = os.sysconf("SC_CLK_TCK")
+        with open(f"/proc/{self.postmaster}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        total = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+        with open(f"/proc/{self.postmaster}/task/{self.postmaster}/children") as handle:
+            children = handle.read().split()
+        for child in children:
+            try:
+                with open(f"/proc/{child}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:  # (ended since: its parent counts it once reaped)
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total / tick
+
+    def _database(self) -> tuple[int, int]:
+        self.admin.execute("SELECT pg_stat_force_next_flush()")
+        row = self.admin.execute(
+            "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = %s", (self.database,)
+        ).fetchone()
+        return int(row[0]), int(row[1])
+
+    def mark(self) -> None:
+        self.admin.execute("SELECT pg_stat_statements_reset()")
+        with open(self.log, "rb") as handle:
+            self.log_at = handle.seek(0, os.SEEK_END)
+        self.xacts = self._database()
+        self.cpu0, self.t0 = self.cpu(), time.monotonic()
+
+    def since(self) -> dict[str, Any]:
+        cpu, elapsed = self.cpu() - self.cpu0, time.monotonic() - self.t0
+        serialization = deadlocks = 0
+        with open(self.log, "rb") as handle:
+            handle.seek(self.log_at)
+            for line in handle:
+                if b"ERROR:" in line:
+                    serialization += b"could not serialize access" in line
+                    deadlocks += b"deadlock detected" in line
+        rows = self.admin.execute(
+            "SELECT r.rolname, s.query, s.calls, s.total_exec_time FROM pg_stat_statements s "
+            "JOIN pg_roles r ON r.oid = s.userid WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = %s)",
+            (self.database,),
+        ).fetchall()
+        time.sleep(1.0)  # (busy backends flush their counters at least once a second)
+        commits, rollbacks = (now - then for now, then in zip(self._database(), self.xacts))
+        statements = [
+            {"role": role, "query": " ".join(text.split())[:160], "calls": int(calls), "total_ms": float(ms)}
+            for role, text, calls, ms in rows
+        ]
+        statements.sort(key=lambda s: -s["total_ms"])
+        serializable = sum(s["calls"] for s in statements if "ISOLATION LEVEL SERIALIZABLE" in s["query"].upper())
+        return {
+            "seconds": elapsed,
+            "server_cpu_s": cpu,
+            "statements": sum(s["calls"] for s in statements),
+            "serializable_transactions": serializable,  # every attempt, retries too (one SET each)
+            "serialization_failures": serialization,
+            "deadlocks": deadlocks,
+            "xact_commit": commits,
+            "xact_rollback": rollbacks,
+            "top_statements": statements[:8],
+            "_all_statements": statements,
+        }
+
+    def close(self) -> None:
+        self.admin.close()
+
+
+def _cpu(procs: list[subprocess.Popen[bytes]]) -> float:
+    return sum(proc_stats(proc.pid)[0] for proc in procs)
+
+
+def _modules(fleet: Fleet) -> list[str]:
+    return sorted({e["module"] for e in fleet.events() if e["event"] == "ready"})
+
+
+def _settle_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.25)
+
+
+def pgcost_running(processes: int, jobs: int, seconds: float) -> dict[str, Any]:
+    """``jobs`` runs running over ``processes`` processes (all due at one second, each held by its
+    handler until the end): CPU a second of the server and of the schedulers."""
+    server = ServerCost(STORE["server"], f"pgcost_running_{os.getpid()}")
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            at = int(time.time()) + 8 + 3 * processes  # time for the processes to start and declare
+            with Fleet("pgcost_hold", folder, "3600", str(jobs), str(at)) as fleet:
+                fleet.db = server.url()
+                fleet.start(processes)
+                count = "SELECT count(*) FROM runs WHERE state = 'running'"
+                _settle_until(lambda: query(fleet.db, count)[0][0] >= jobs, at - time.time() + 120, "runs not started")
+                shares = sorted(n for _, n in query(fleet.db, "SELECT owner, count(*) FROM runs GROUP BY owner"))
+                time.sleep(5.0)  # (the claims' transactions ended, the watches settled)
+                server.mark()
+                cpu0 = _cpu(fleet.procs)
+                time.sleep(seconds)
+                schedulers = _cpu(fleet.procs) - cpu0
+                stats = server.since()
+                running = query(fleet.db, count)[0][0]
+                modules = _modules(fleet)
+                fleet.stop()
+    finally:
+        server.close()
+    elapsed = stats["seconds"]
+    return {
+        "processes": processes,
+        "jobs": jobs,
+        "running_at_end": running,
+        "runs_per_process": shares,
+        "server_cpu_per_s": stats["server_cpu_s"] / elapsed,
+        "schedulers_cpu_per_s": schedulers / elapsed,
+        "statements_per_s": stats["statements"] / elapsed,
+        "modules": modules,
+        **{k: v for k, v in stats.items() if not k.startswith("_")},
+    }
+
+
+def pgcost_busy(processes: int, jobs: int, every: float, seconds: float) -> dict[str, Any]:
+    """``jobs`` jobs ``every`` seconds, spread evenly over it (jobs / every occurrences due each
+    second), handlers that return at once, on ``processes`` processes: CPU per occurrence,
+    serialization failures, start lateness and duplicates."""
+    server = ServerCost(STORE["server"], f"pgcost_busy_{os.getpid()}")
+    try:
+        with (
+            tempfile.TemporaryDirectory() as folder,
+            Fleet("pgcost_busy", folder, "3600", str(jobs), str(every)) as fleet,
+        ):
+            fleet.db = server.url()
+            fleet.start(processes)
+            time.sleep(max(10.0, 2 * every))  # (every process declared and looking; the first late ones run)
+            server.mark()
+            cpu0, begin = _cpu(fleet.procs), time.time()
+            time.sleep(seconds)
+            schedulers, end = _cpu(fleet.procs) - cpu0, time.time()
+            stats = server.since()
+            modules = _modules(fleet)
+            fleet.stop()
+            starts = [s for e in fleet.events() if e["event"] == "starts" for s in e["starts"]]
+            per_process = sorted(len(e["starts"]) for e in fleet.events() if e["event"] == "starts")
+    finally:
+        server.close()
+    inside = [s for s in starts if begin <= s[2] < end]
+    late = [s[3] * 1000 for s in inside]
+    occurrences = max(len(inside), 1)
+    seen = [(job, slot) for job, slot, _, _ in starts]
+    elapsed = stats["seconds"]
+    return {
+        "processes": processes,
+        "jobs": jobs,
+        "every_s": every,
+        "occurrences": len(inside),
+        "expected": round(jobs / every * (end - begin)),
+        "starts_per_process": per_process,
+        "duplicates": len(seen) - len(set(seen)),
+        "lateness_p50_ms": percentile(late, 50),
+        "lateness_p99_ms": percentile(late, 99),
+        "lateness_max_ms": max(late, default=float("nan")),
+        "cpu_per_occurrence_ms": (schedulers + stats["server_cpu_s"]) / occurrences * 1000,
+        "schedulers_cpu_per_occurrence_ms": schedulers / occurrences * 1000,
+        "server_cpu_per_occurrence_ms": stats["server_cpu_s"] / occurrences * 1000,
+        "schedulers_cpu_per_s": schedulers / elapsed,
+        "server_cpu_per_s": stats["server_cpu_s"] / elapsed,
+        "retry_share": stats["serialization_failures"] / max(stats["serializable_transactions"], 1),
+        "rollback_share": stats["xact_rollback"] / max(stats["xact_commit"] + stats["xact_rollback"], 1),
+        "statements_per_occurrence": stats["statements"] / occurrences,
+        "modules": modules,
+        **{k: v for k, v in stats.items() if not k.startswith("_")},
+    }
+
+
+def pgcost_idle_watch(seconds: float) -> dict[str, Any]:
+    """Two processes declaring one long job: one runs it, the other (connected as a role of its
+    own, so that pg_stat_statements counts its statements apart) is idle and watches the run."""
+    server = ServerCost(STORE["server"], f"pgcost_watch_{os.getpid()}")
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            at = int(time.time()) + 10
+            with Fleet("pgcost_hold", folder, "3600", "1", str(at)) as fleet:
+                fleet.db = server.url()
+                fleet.start(1)
+                running = "SELECT count(*) FROM runs WHERE state = 'running'"
+                _settle_until(
+                    lambda: query(fleet.db, running)[0][0] == 1, at - time.time() + 60, "the run did not start"
+                )
+                (watcher,) = fleet.start(1, db=server.url("bench_watcher"))
+                time.sleep(3.0)  # (joined, first looks made)
+                server.mark()
+                cpu0 = proc_stats(watcher.pid)[0]
+                time.sleep(seconds)
+                cpu = proc_stats(watcher.pid)[0] - cpu0
+                stats = server.since()
+                modules = _modules(fleet)
+                fleet.stop()
+    finally:
+        server.close()
+    elapsed = stats["seconds"]
+    mine = [s for s in stats["_all_statements"] if s["role"] == "bench_watcher"]
+    calls = sum(s["calls"] for s in mine)
+    return {
+        "seconds": elapsed,
+        "watcher_statements": calls,
+        "watcher_statements_per_s": calls / elapsed,
+        "watcher_statements_per_hour": calls / elapsed * 3600,
+        "watcher_cpu_s_per_hour": cpu / elapsed * 3600,
+        "watcher_by_statement": sorted(mine, key=lambda s: -s["calls"]),
+        "owner_statements_per_s": (stats["statements"] - calls) / elapsed,
+        "server_cpu_per_s": stats["server_cpu_s"] / elapsed,
+        "modules": modules,
+    }
+
+
+def pgcost(quick: bool) -> dict[str, Any]:
+    """PostgreSQL, issue #24 item 5: what many jobs and many running runs cost (see ``pgcost_*``)."""
+    if STORE["server"] is None:
+        raise SystemExit("--only pgcost measures PostgreSQL: give --store postgresql")
+    span = 15.0 if quick else 30.0
+    section = {"running": pgcost_running(4, 1_000, span)}
+    print("pgcost running: done", flush=True)
+    section["busy"] = pgcost_busy(4, 1_000, 10.0, span if quick else 45.0)
+    print("pgcost busy: done", flush=True)
+    section["idle_watch"] = pgcost_idle_watch(span if quick else 20.0)
+    print("pgcost idle watch: done", flush=True)
+    return section
+
+
+def report_pgcost(section: dict[str, Any]) -> None:
+    r, b, w = section["running"], section["busy"], section["idle_watch"]
+    print(f"\nPostgreSQL cost (workers imported {', '.join(sorted(set(r['modules'] + b['modules'] + w['modules'])))})")
+    rows = [
+        (
+            f"{r['jobs']} runs running, {r['processes']} processes: server CPU (cores)",
+            f"{r['server_cpu_per_s']:.3f}",
+            "",
+        ),
+        ("  schedulers' CPU (cores, all four)", f"{r['schedulers_cpu_per_s']:.3f}", ""),
+        ("  statements a second (all processes)", f"{r['statements_per_s']:.1f}", ""),
+        (
+            f"busy, {b['jobs']} jobs every {b['every_s']:g} s, {b['processes']} processes: occurrences",
+            f"{b['occurrences']} of {b['expected']}",
+            "",
+        ),
+        ("  CPU per occurrence, schedulers + server (ms)", f"{b['cpu_per_occurrence_ms']:.2f}", "≤ 5"),
+        (
+            "  of it schedulers / server (ms)",
+            f"{b['schedulers_cpu_per_occurrence_ms']:.2f} / {b['server_cpu_per_occurrence_ms']:.2f}",
+            "",
+        ),
+        (
+            "  serialization failures / serializable transactions",
+            f"{b['serialization_failures']} / {b['serializable_transactions']} = {b['retry_share']:.1%}",
+            "≤ 2%",
+        ),
+        (
+            "  xact_rollback / (xact_commit + xact_rollback)",
+            f"{b['xact_rollback']} / {b['xact_commit'] + b['xact_rollback']} = {b['rollback_share']:.1%}",
+            "",
+        ),
+        (
+            "  start lateness p50 / p99 / max (ms)",
+            f"{b['lateness_p50_ms']:.1f} / {b['lateness_p99_ms']:.1f} / {b['lateness_max_ms']:.1f}",
+            "p99 ≤ 20",
+        ),
+        ("  duplicates", str(b["duplicates"]), "0"),
+        ("  statements per occurrence", f"{b['statements_per_occurrence']:.1f}", ""),
+        ("idle watcher of another's run: statements a second", f"{w['watcher_statements_per_s']:.2f}", "≤ 2"),
+        ("  its CPU (s/hour)", f"{w['watcher_cpu_s_per_hour']:.1f}", ""),
+    ]
+    width = max(len(row[0]) for row in rows)
+    for what, value, goal in rows:
+        print(f"{what:<{width}}  {value:>24}  {goal}")
+    for name, part in (("running", r), ("busy", b)):
+        print(f"\ntop statements by total time, {name} ({part['seconds']:.0f} s)")
+        for s in part["top_statements"][:5]:
+            print(f"{s['total_ms']:>10.0f} ms {s['calls']:>8} calls  {s['query'][:90]}")
+    print("\nthe idle watcher's statements")
+    for s in w["watcher_by_statement"]:
+        print(f"{s['calls']:>8} calls {s['total_ms']:>8.1f} ms  {s['query'][:100]}")
 
 
 def report(results: dict[str, Any]) -> None:
