@@ -159,6 +159,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "sqlite_only: the test checks what only the SQLite store has")
 
 
+# CI runs the PostgreSQL half of the suite on the oldest and newest Python only:
+# ``$ANARCHON_WITHOUT_POSTGRES`` deselects it (a deselected test is not a skip: it is not run here,
+# and runs in full in the other environments).
+WITHOUT_POSTGRES = "ANARCHON_WITHOUT_POSTGRES"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get(WITHOUT_POSTGRES):
+        return
+    kept, dropped = [], []
+    for item in items:
+        needs = "pg_server" in getattr(item, "fixturenames", ()) or getattr(item, "callspec", None) and (
+            item.callspec.params.get("store") == "postgresql"
+        )
+        (dropped if needs else kept).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
 def pytest_generate_tests(metafunc):
     if "store" in metafunc.fixturenames:
         kinds = ["sqlite"] if metafunc.definition.get_closest_marker("sqlite_only") else ["sqlite", "postgresql"]
