@@ -133,6 +133,7 @@ def _safe_text(value: object, limit: int | None = None) -> str:
     raises."""
     try:
         text = str.__str__(value) if isinstance(value, str) else str(value)
+        text = str.__str__(text)  # (``__str__`` may return a ``str`` subclass, whose methods may raise)
     except BaseException:  # noqa: BLE001 - any text at all beats an attempt without an end
         text = f"<{_type_name(value)} whose str() raised>"
     if limit is not None:
@@ -140,6 +141,12 @@ def _safe_text(value: object, limit: int | None = None) -> str:
     if text.isascii():
         return text.replace("\x00", "\\x00")
     return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def _first_line(exc: BaseException, otherwise: str) -> str:
+    """The first line of an exception's text (a driver's error can run to several), or ``otherwise``."""
+    text = _safe_text(exc).strip()
+    return text.splitlines()[0] if text else otherwise
 
 
 def _type_name(value: object) -> str:
@@ -1346,6 +1353,11 @@ class _Changes(abc.ABC):
     #: Whether ``owner_gone`` looks afresh each time it is asked (SQLite asks the kernel). If not,
     #: it answers as of the last read of the runs, and the loop reads them again to watch an owner.
     fresh_liveness = True
+
+    #: Seconds at least between two reads after changes told by ``on_change``: where every commit of
+    #: every process is told to every other (NOTIFY), busy processes would each read a hundred times
+    #: a second; they learn of a change within 1 s all the same.
+    coalesce = 0.0
 
     def settles_in(self, run: _RunRow) -> float:
         """Seconds until ``owner_gone`` may call ``run``'s owner gone where it does not yet (a free
@@ -3973,7 +3985,7 @@ class _PGStore(_SQLStore):
     # -- connection -------------------------------------------------------------------------------
 
     def _error(self, exc: Exception) -> StoreError:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = _first_line(exc, type(exc).__name__)
         transient = isinstance(exc, self._psycopg.OperationalError) or getattr(exc, "sqlstate", None) == _PG_READ_ONLY
         return StoreError(self.path, text, transient=transient)
 
@@ -4231,8 +4243,9 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
 # server-side keepalive). So while it runs attempts the owner proves its session with a round trip
 # on it every _PG_VOUCH / 4 and aborts them (LeaseLost) when none was answered for _PG_VOUCH;
 # another process takes a run over on a free lock only once it has seen the lock free for
-# _PG_VOUCH + _PG_VOUCH_MARGIN (or the lease ran out). The owner has stopped by then, kill -9 is
-# still taken over within about a second, and two attempts of a run never work at the same time.
+# _PG_VOUCH + _PG_VOUCH_MARGIN (or the lease ran out). The owner has stopped by then (a crontab
+# command is killed at once, not given the TERM grace), kill -9 is still taken over within about a
+# second, and two attempts of a run never work at the same time.
 _PG_VOUCH = 0.4  # seconds: B, the longest an owner runs attempts without an answer from its lock session
 _PG_VOUCH_MARGIN = 0.2  # seconds: for the owner's thread to be late in noticing
 _PG_IDLE_PING = 30.0  # seconds between round trips on an idle lock session (within ``idle_session_timeout``)
@@ -4252,6 +4265,7 @@ class _PGChanges(_Changes):
 
     pushed = True
     fresh_liveness = False  # ``owner_gone`` answers as of the last read of the runs
+    coalesce = 0.05
 
     def __init__(
         self, target: _PGTarget, identity: _PGIdentity, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]
@@ -4266,6 +4280,8 @@ class _PGChanges(_Changes):
         self._closed = threading.Event()
         self._resume = threading.Event()  #: set by ``reset``: connect again after a loss
         self._idle = _PG_IDLE_PING  #: seconds between round trips while no attempt runs
+        #: when the first attempt began that the thread has not yet seen running (monotonic)
+        self._since: float | None = None
         self._wake, self._waker = socket.socketpair()  #: wakes the thread: an attempt began, or ``close``
         self._waker.setblocking(False)
         #: when each run's owner was first seen with its lock free, by (job, slot, attempt)
@@ -4276,6 +4292,8 @@ class _PGChanges(_Changes):
         self._running, self._on_lost = running, lost
 
     def attempt_started(self) -> None:
+        if self._since is None:  # (vouched for from the first start, however late the thread wakes)
+            self._since = time.monotonic()
         with contextlib.suppress(OSError):  # (full: the thread is woken already; closed: it has ended)
             self._waker.send(b"!")
 
@@ -4292,14 +4310,14 @@ class _PGChanges(_Changes):
         pause, failing, logged = 0.5, "", 0.0
         while not self._closed.is_set():
             try:
-                raw = self._connect()
+                raw, key = self._connect()
             except StoreError as exc:  # (the schema, or the pooler: the main connection says the same)
                 self._identity.failing = str(exc).removeprefix(f"{self._target.shown}: ")
                 self._closed.wait(pause)
                 pause = min(pause * 2, 5.0)
                 continue
             except self._psycopg.Error as exc:
-                text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                text = _first_line(exc, type(exc).__name__)
                 self._identity.failing = text
                 if text != failing or time.monotonic() - logged >= 60.0:
                     _log.error(
@@ -4312,38 +4330,43 @@ class _PGChanges(_Changes):
                 self._closed.wait(pause)
                 pause = min(pause * 2, 5.0)
                 continue
+            if self._closed.is_set():  # (closed while connecting: the identity is the next run's now)
+                with contextlib.suppress(self._psycopg.Error):
+                    raw.close()
+                return
             if failing:
                 _log.warning("%s: connected again", self._target.shown)
             failing, pause, self._identity.failing = "", 0.5, ""
             self._connected = True
+            self._identity.key = key
             self._identity.held.set()
             self._count += 1
             self._tell()
             why = self._watch(raw)
-            self._identity.held.clear()
-            self._identity.key = None  # the lock went with the session: the next one takes a new key
+            if self._identity.key == key:  # the lock went with the session: the next one takes a new key
+                self._identity.held.clear()
+                self._identity.key = None
             self._connected = False
             with contextlib.suppress(self._psycopg.Error):
                 raw.close()
             if why is None:
                 return
+            self._resume.clear()  # (before ``lost()`` says so: the loop's ``reset`` then sets it again)
             self._lost = f"the connection to {self._target.shown} that holds this process's lock was lost ({why})"
             self._on_lost(self._lost)
-            self._resume.clear()
             self._tell()
             while not self._resume.wait(1.0) and not self._closed.is_set():
                 pass
 
-    def _connect(self) -> Any:
+    def _connect(self) -> tuple[Any, int]:
+        """A new session holding a new key's lock, listening; and the key."""
         raw = self._target.connect(self._psycopg)
         try:
             _pg_prepare(raw, self._target, read_only=False)
-            while True:
-                if self._identity.key is None:
-                    self._identity.key = int(raw.execute(_PG_NEXT_KEY).fetchone()[0])
-                if raw.execute(self._target.format(_pg_sql(_PG_LOCK)), (self._identity.key,)).fetchone()[0]:
+            while True:  # (a key another process holds, the keys having gone round: the next one)
+                key = int(raw.execute(_PG_NEXT_KEY).fetchone()[0])
+                if raw.execute(self._target.format(_pg_sql(_PG_LOCK)), (key,)).fetchone()[0]:
                     break
-                self._identity.key = None  # another process holds it (the keys went round): the next one
             raw.execute(f'LISTEN "{_pg_channel(self._target)}"')
             timeout = raw.execute(_PG_IDLE_TIMEOUT).fetchone()
             self._idle = _PG_IDLE_PING if not timeout or not timeout[0] else min(_PG_IDLE_PING, timeout[0] / 3000)
@@ -4351,24 +4374,32 @@ class _PGChanges(_Changes):
         except BaseException:
             raw.close()
             raise
-        return raw
+        return raw, key
 
     def _watch(self, raw: Any) -> str | None:
         """Wait on the session until it is lost (why) or closed (None): notifications, and the
-        round trips that prove it."""
+        round trips that prove it. The session is lost when it is seen to end, or when no answer
+        was read for ``_PG_VOUCH`` while attempts run: the input is read first, and a thread that
+        was itself held up (the GIL held by a long C call, a pause of the process) asks once more
+        before it gives up: a session that still answers has held its lock throughout (a new
+        session takes a new key)."""
         pgconn, pq = raw.pgconn, self._psycopg.pq
-        answered, asked = time.monotonic(), None  # the last answer; the round trip awaiting one
-        vouching = False
+        answered, asked = time.monotonic(), None  # the last answer read; the round trip awaiting one
+        vouching, until = False, 0.0
         while not self._closed.is_set():
             now = time.monotonic()
-            running = self._running()
-            if running and not vouching:
-                answered = max(answered, now)  # (from now on: the claims it vouches for are new)
-            vouching = running
+            late, running = now - until if until else 0.0, self._running()
+            if running and not vouching:  # (the claims it vouches for began then)
+                answered = max(answered, now if self._since is None else self._since)
+            vouching, self._since = running, None
             every = _PG_VOUCH / 4 if vouching else self._idle
-            if vouching and now - answered > _PG_VOUCH:
-                return f"its session did not answer for {format_duration(now - answered)}"
             try:
+                if vouching and now - answered > _PG_VOUCH:
+                    asked = self._take_input(pgconn, asked)
+                    answered = now if asked is None else answered
+                    if now - answered > _PG_VOUCH and late < _PG_VOUCH / 4:
+                        return f"its session did not answer for {format_duration(now - answered)}"
+                    answered = max(answered, now - _PG_VOUCH / 2)  # (held up itself: one more chance)
                 if asked is None and now >= answered + every:
                     pgconn.send_query(b"SELECT 1")
                     asked = now
@@ -4380,22 +4411,28 @@ class _PGChanges(_Changes):
                 ready, _, _ = select.select([pgconn.socket, self._wake], [], [], max(0.0, until - now))
                 if self._wake in ready:
                     self._wake.recv(4096)
-                if pgconn.socket not in ready:
-                    continue
-                pgconn.consume_input()
-                while pgconn.notifies() is not None:
-                    self._count += 1
-                    self._tell()
-                while asked is not None and not pgconn.is_busy():
-                    if pgconn.get_result() is None:
-                        answered, asked = time.monotonic(), None
-                if pgconn.status != pq.ConnStatus.OK:
-                    return pgconn.get_error_message().decode(errors="replace").strip() or "closed by the server"
+                if pgconn.socket in ready:
+                    if (asked := self._take_input(pgconn, asked)) is None:
+                        answered = time.monotonic()
+                    if pgconn.status != pq.ConnStatus.OK:
+                        return pgconn.get_error_message().decode(errors="replace").strip() or "closed by the server"
             except (self._psycopg.Error, OSError) as exc:
-                return str(exc).strip().splitlines()[0] if str(exc).strip() else "closed by the server"
+                return _first_line(exc, "closed by the server")
             if not vouching and asked is not None and time.monotonic() - asked > every + _PG_VOUCH:
                 return "an idle round trip was not answered"  # (no attempt runs: nothing to abort)
         return None
+
+    def _take_input(self, pgconn: Any, asked: float | None) -> float | None:
+        """Read what the server sent: notifications (told to the loop), and the answer to the
+        round trip asked at ``asked``; None once it is answered (or none was asked)."""
+        pgconn.consume_input()
+        while pgconn.notifies() is not None:
+            self._count += 1
+            self._tell()
+        while asked is not None and not pgconn.is_busy():
+            if pgconn.get_result() is None:
+                asked = None
+        return asked
 
     def _tell(self) -> None:
         with contextlib.suppress(RuntimeError):  # (the loop is closed)
@@ -6367,6 +6404,8 @@ class Scheduler:
         self._dirty = True
         self._rejoin = False
         self._ready: asyncio.Event | None = None
+        self._loop_state: _LoopState | None = None  #: the serving loop's state, while it serves
+        self._told: asyncio.TimerHandle | None = None  #: a wake-up for changes told within the read gap
         self._idle = self._poll
         self._systemd = _Notify(os.environ) if notify else None  #: the service manager, when it is told
         #: the node_exporter textfile, rewritten at start and after each start and end of a run
@@ -6815,11 +6854,21 @@ class Scheduler:
 
     def _file_written(self) -> None:
         """Another process (or this one) wrote the file. While backing off after a failure, this
-        waits for the back-off: the failing writes themselves touch the file."""
+        waits for the back-off: the failing writes themselves touch the file. Changes told within
+        the store's ``coalesce`` of the last read wake the loop once, when it has passed."""
         if self._backing_off:
             self._written = True
-        else:
+            return
+        state = self._loop_state
+        later = 0.0 if state is None else state.read_real + state.watch.coalesce - time.monotonic()
+        if later <= 0:
             self._wake_up()
+        elif self._told is None:
+            self._told = asyncio.get_running_loop().call_later(later, self._told_now)
+
+    def _told_now(self) -> None:
+        self._told = None
+        self._wake_up()
 
     async def _join(self) -> bool:
         """Record this process among the file's running instances; True if it is the only one."""
@@ -6838,6 +6887,7 @@ class Scheduler:
             lambda: bool(self._attempts), lambda why: self._runner.abort(lambda job: LeaseLost(f"{job}: {why}"))
         )
         self._runner.started = loop_state.watch.attempt_started
+        self._loop_state = loop_state
         self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
         timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self._heartbeats = heartbeats = _Heartbeats(
@@ -6889,6 +6939,10 @@ class Scheduler:
             if self._systemd is not None:
                 self._systemd.close()
             loop_state.watch.close()
+            self._loop_state = None
+            if self._told is not None:
+                self._told.cancel()
+                self._told = None
             timers.stop()
             heartbeats.stop()
             if self._link.open and joined:
@@ -6980,13 +7034,16 @@ class Scheduler:
         elif state.recheck:
             state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
         stale = state.watching and self._clock.monotonic() >= state.read_at + state.reread - 0.01
-        if version != state.version or state.runs is None or self._dirty:
+        deferred = 0.0  # a change told by another process, read this much later with the changes after it
+        if version != state.version and not self._dirty and state.runs is not None:
+            deferred = max(0.0, state.read_real + state.watch.coalesce - time.monotonic())
+        if deferred == 0.0 and (version != state.version or state.runs is None or self._dirty):
             self._dirty = False
             await self._read(state)
             state.version = version
         elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
             state.runs = await self._link.call(lambda s: s.runs())
-            state.read_at = self._clock.monotonic()
+            state.read_at, state.read_real = self._clock.monotonic(), time.monotonic()
         if now_ms < state.newest - _CLOCK_SLACK_MS:
             if not self._clock_warned:
                 _log.warning(
@@ -7017,7 +7074,7 @@ class Scheduler:
                 wait = min(wait, again)
                 if again == 0.0:
                     state.version = -1
-        state.wait = wait
+        state.wait = min(wait, deferred) if deferred else wait
 
     async def _read(self, state: _LoopState) -> None:
         """Read the runs, and the job rows changed since the last read (all of them at first, and
@@ -7026,7 +7083,7 @@ class Scheduler:
         whole = agenda is None or self._clock.monotonic() >= state.whole_at + _FULL_READ
         since = -1 if agenda is None or whole else agenda.seen
         jobs, runs, newest = await self._link.call(lambda s: (s.jobs(since), s.runs(), s.newest_slot()))
-        state.runs, state.read_at = runs, self._clock.monotonic()
+        state.runs, state.read_at, state.read_real = runs, self._clock.monotonic(), time.monotonic()
         self._runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
         state.newest = newest or 0
         self._disagree(jobs, "holds that one's")
@@ -7252,6 +7309,7 @@ class _LoopState:
     read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
     watching: bool = False  # another process's run is watched with ``owner_gone`` as of that read
     reread: float = 0.0  # then read again this long after that read (seconds)
+    read_real: float = 0.0  # the same read on the real monotonic clock (what coalescing reads costs)
     failing: str | None = None  # the error of the last look, while looks fail
     logged: float = 0.0  # when it was last logged (monotonic)
 
@@ -7708,12 +7766,12 @@ def _run_left(pgid: int | None, marker: str, outside: bool = True) -> tuple[list
     return sorted(p for p, g in marked.items() if outside or g == pgid), ours
 
 
-async def _end_run(pgid: int | None, marker: str, outside: bool = True) -> bool:
+async def _end_run(pgid: int | None, marker: str, outside: bool = True, at_once: bool = False) -> bool:
     """End what a run's command started here (``_run_left``): SIGTERM to the group when proven the
-    run's and to each process with the marker, SIGKILL to what is left after ``_GROUP_GRACE``;
-    whether all of it is gone."""
+    run's and to each process with the marker, SIGKILL to what is left after ``_GROUP_GRACE``
+    (``at_once``: SIGKILL only); whether all of it is gone."""
     left: list[int] = []
-    for signum in (signal.SIGTERM, signal.SIGKILL):
+    for signum in (signal.SIGKILL,) if at_once else (signal.SIGTERM, signal.SIGKILL):
         left, ours = await asyncio.to_thread(_run_left, pgid, marker, outside)
         if not left:
             return True
@@ -7794,7 +7852,12 @@ async def _wait_command(
     left = ""
     try:
         await asyncio.wait({exited, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        if not exited.done():
+        if not exited.done() and isinstance(ctx.signal.reason, LeaseLost):
+            # Another process may be running the run already (on PostgreSQL, 0.6 s after this
+            # process's lock session ended): no grace to finish, which a TERM trap would take.
+            ctx.log.warning("the run is lost: killing the command's process group and every process with its marker")
+            await _end_run(proc.pid, marker, at_once=True)
+        elif not exited.done():
             ctx.log.info("sending SIGTERM to the command's process group and to every process with its marker")
             await _end_run(proc.pid, marker)
         else:

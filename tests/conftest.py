@@ -170,8 +170,10 @@ def pytest_collection_modifyitems(config, items):
         return
     kept, dropped = [], []
     for item in items:
-        needs = "pg_server" in getattr(item, "fixturenames", ()) or getattr(item, "callspec", None) and (
-            item.callspec.params.get("store") == "postgresql"
+        needs = (
+            "pg_server" in getattr(item, "fixturenames", ())
+            or getattr(item, "callspec", None)
+            and (item.callspec.params.get("store") == "postgresql")
         )
         (dropped if needs else kept).append(item)
     config.hook.pytest_deselected(items=dropped)

@@ -43,8 +43,13 @@ class Daemons:
         self.tmp, self.procs = tmp_path, []
 
     def start(self, *args):
+        return self.start_with([], *args)
+
+    def start_with(self, prefix, *args):
+        """The command line under ``prefix`` (``["unshare", ...]``: in a pid namespace of its own)."""
         with open(self.tmp / f"daemon-{len(self.procs)}.log", "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "anarchon_lite", *args], stdout=log, stderr=log, env=ENV)
+            command = [*prefix, sys.executable, "-m", "anarchon_lite", *args]
+            proc = subprocess.Popen(command, stdout=log, stderr=log, env=ENV)
         self.procs.append(proc)
         return proc
 

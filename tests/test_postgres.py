@@ -673,3 +673,92 @@ def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
         assert after["jobs"] == before["jobs"] and after["newest_slot"] == before["newest_slot"], (before, after)
 
     run(main(), timeout=60)
+
+
+def test_changes_told_in_a_burst_are_read_together(url):
+    """Every commit is told to every process (NOTIFY): a process told of a hundred commits in a burst
+    reads them at most once every 50 ms, not once each, and still sees the last of them."""
+    reads = []
+
+    def counted(original, *args):
+        reads.append(time.monotonic())
+        return original(*args)
+
+    async def main():
+        a = Scheduler(url, instance="a")
+        b = inject(Scheduler(url, instance="b"), runs=counted)
+        for s in (a, b):
+            s.every("burst", "24h", lambda ctx: None, offset=QUIET)
+        await a.pause("burst")  # (the triggered runs stay pending: b reads them, runs nothing)
+        async with b:
+            await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+            began = time.monotonic()
+            for _ in range(100):
+                await a.trigger("burst")
+            ended = time.monotonic()
+            await wait_for(lambda: reads and reads[-1] > ended, message="b to read the last")
+        during = [t for t in reads if began <= t <= ended]
+        assert len(during) <= (ended - began) / 0.05 + 2, f"{len(during)} reads in {ended - began:.2f} s"
+
+    run(main(), timeout=60)
+
+
+def test_the_lock_session_is_made_again_when_the_loop_resets_at_once(url):
+    """The loop's ``reset`` may come while the listening thread is still telling of the loss (the
+    thread aborts the attempts, which hands the GIL to the loop): it connects again all the same."""
+
+    async def main():
+        backend = al._Postgres(url, False, 30.0, 1000)
+        run_store = backend.main()
+        run_store.register([])  # (the schema)
+        changes = backend.changes(asyncio.get_running_loop(), lambda: None, False, "me")
+        changes.vouch_for(lambda: False, lambda why: changes.reset())  # the reset, at the worst moment
+        try:
+            identity = backend._identity
+            await wait_for(lambda: identity.held.is_set(), message="the first session")
+            first = identity.key
+            assert sql(
+                url,
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND objid = %s AND objsubid = 2",
+                (first,),
+            ) == [(True,)]
+            await wait_for(lambda: identity.held.is_set() and identity.key != first, message="a new session")
+        finally:
+            changes.close()
+            run_store.close()
+
+    run(main(), timeout=60)
+
+
+def test_a_long_c_call_holding_the_gil_aborts_nothing(url):
+    """A plain-function handler in one long C call holds the GIL past ``_PG_VOUCH``: the thread that
+    proves the lock session is held up with everything else, and finds the session answering when
+    it runs again. Nothing is aborted (on SQLite the same stall is bounded by the lease alone)."""
+    began = time.perf_counter()
+    sum(range(2_000_000))
+    size = int(2_000_000 * 0.8 / max(time.perf_counter() - began, 1e-6))  # about 0.8 s in one call
+    done = []
+
+    async def main():
+        s = Scheduler(url, poll=0.05)
+
+        @s.every("hog", "24h", offset=QUIET)
+        def hog(ctx):
+            began = time.perf_counter()
+            sum(range(size))
+            done.append(time.perf_counter() - began)
+
+        @s.every("beside", "24h", offset=QUIET)
+        async def beside(ctx):
+            await ctx.signal.sleep(2.0)
+
+        async with s:
+            await s.trigger("beside")
+            await s.trigger("hog")
+            await wait_for(lambda: _count(s, "beside", "succeeded", 1), timeout=30, message="beside")
+            await wait_for(lambda: _count(s, "hog", "succeeded", 1), timeout=30, message="hog")
+            return await statuses(s, "beside") + await statuses(s, "hog")
+
+    assert run(main(), timeout=90) == [(1, "succeeded"), (1, "succeeded")]
+    assert done and done[0] > al._PG_VOUCH, f"the GIL was held {done[0]:.2f} s only"

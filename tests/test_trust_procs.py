@@ -259,3 +259,48 @@ def test_a_forged_process_group_record_is_never_signalled(tmp_path, daemons, sto
         end_marked(token)
         unrelated.kill()
         unrelated.wait()
+
+
+def test_a_command_whose_run_is_lost_is_killed_at_once(tmp_path, daemons, pg_server):
+    """On PostgreSQL another host takes a run over 0.6 s after its owner's lock session ended, and
+    cannot see, let alone end, the owner's command: the owner kills it at once, without the TERM
+    grace that a command trapping TERM would use to go on working beside attempt 2. (The second
+    scheduler runs in a pid namespace of its own, as on another host: PostgreSQL only.)"""
+    token = os.urandom(6).hex()
+    url = pg_server.url(schema=f"lost_{token}")
+    out = tmp_path / "out.txt"
+    crontab = tmp_path / "crontab"
+    crontab.write_text(
+        f"TESTRUN={token}\n# name: stubborn\n"
+        f"@every 24h trap '' TERM; while :; do echo \"$ANARCHON_ATTEMPT $(date +%s%N)\" >> {out}; sleep 0.02; done\n"
+    )
+    try:
+        start_crontab(daemons, url, crontab, 1)
+        cli(url, "trigger", "stubborn")
+        wait_until(lambda: len(lines(out)) > 5, what="attempt 1 at work")
+        daemons.start_with(
+            ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"], "--db", url, "crontab", str(crontab)
+        )
+
+        def joined():
+            done = cli(url, "status", "--json", check=False)
+            return done.returncode == 0 and len(json.loads(done.stdout)["processes"]) == 2
+
+        wait_until(joined, what="the second scheduler to join")
+        import pgserver
+
+        [(key,)] = pgserver.query(url, "SELECT lock_key FROM instances ORDER BY started_at LIMIT 1")
+        pgserver.query(
+            url,
+            "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s "
+            "AND objsubid = 2",
+            (key,),
+        )
+        wait_until(lambda: any(line.startswith("2 ") for line in lines(out)), what="attempt 2 at work")
+        wait_until(lambda: sum(line.startswith("2 ") for line in lines(out)) > 5, what="attempt 2 going on")
+    finally:
+        daemons.close()
+        end_marked(token)
+    first = [int(line.split()[1]) for line in lines(out) if line.startswith("1 ")]
+    second = [int(line.split()[1]) for line in lines(out) if line.startswith("2 ")]
+    assert max(first) < min(second), f"both worked for {(max(first) - min(second)) / 1e9:.3f} s"

@@ -31,6 +31,19 @@ class StrRaises(Exception):
         raise RuntimeError("no repr")
 
 
+class EvilText(str):  # what a ``__str__`` may return: a str whose own methods raise
+    def __getitem__(self, key):
+        raise RuntimeError("no slicing")
+
+    def isascii(self):
+        raise RuntimeError("no isascii")
+
+
+class StrIsEvil(Exception):
+    def __str__(self):
+        return EvilText("evil text")
+
+
 class OutputRaises(Exception):
     @property
     def output(self):
@@ -53,6 +66,14 @@ async def raise_str_raises(ctx):
     raise StrRaises()
 
 
+async def raise_str_is_evil(ctx):
+    raise StrIsEvil()
+
+
+def exit_str_is_evil(ctx):  # a plain function: a BaseException, wrapped on its way out of the thread
+    raise type("EvilExit", (SystemExit,), {"__str__": lambda self: EvilText("evil exit")})()
+
+
 def raise_output_raises(ctx):  # a plain function, in a worker thread
     raise OutputRaises("bad output")
 
@@ -71,6 +92,12 @@ HANDLERS = {
     "slicing-raises": (return_slicing_raises, "succeeded", None),
     "str-raises": (raise_str_raises, "failed", "StrRaises: <StrRaises whose str() raised>"),
     "output-raises": (raise_output_raises, "failed", "OutputRaises: bad output"),
+    "str-is-evil": (raise_str_is_evil, "failed", "StrIsEvil: evil text"),
+    "exit-str-is-evil": (
+        exit_str_is_evil,
+        "failed",
+        "HandlerEscaped: EvilExit: evil exit (raised by the handler; the process carried on)",
+    ),
     "nul": (return_nul, "succeeded", None),
     "neighbour": (return_fine, "succeeded", None),
 }
@@ -164,6 +191,8 @@ def test_one_ends_fault_never_fails_its_neighbours_in_the_batch(store):
         ("a\x00b", "a\\x00b"),
         (SlicingRaises("abc"), "abc"),
         (StrRaises(), "<StrRaises whose str() raised>"),
+        (StrIsEvil(), "evil text"),
+        (EvilText("evil"), "evil"),
         ("é" * 10, "é" * 4),
     ],
 )
