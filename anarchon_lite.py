@@ -2858,8 +2858,7 @@ class _SQLiteStore(_SQLStore):
 
     def _prepare(self, conn: sqlite3.Connection) -> None:
         try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            self._refuse_foreign(conn, version)
+            version = self._refuse_foreign(conn)
             if version > SCHEMA_VERSION:
                 self._refuse_newer(version)
             if version == 0:  # (a file with anything in it keeps its page size)
@@ -2874,14 +2873,20 @@ class _SQLiteStore(_SQLStore):
         except sqlite3.DatabaseError as exc:
             raise StoreError(self.path, self._explain(exc)) from None
 
-    def _refuse_foreign(self, conn: sqlite3.Connection, version: int) -> None:
+    def _refuse_foreign(self, conn: sqlite3.Connection) -> int:
         """Refuse, before anything is written to it, a file that is neither new (no schema at all:
         an empty file, or one whose creation stopped before its schema was written) nor ours (a
-        schema version and the tables of every version)."""
-        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        objects = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        if (version == 0 and objects == 0) or (version > 0 and _OWN_TABLES <= tables):
-            return
+        schema version and the tables of every version); its schema version. (Read in one
+        transaction: another process may be creating the schema meanwhile.)"""
+        conn.execute("BEGIN")
+        try:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            schema = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
+        finally:
+            conn.execute("COMMIT")
+        tables = {name for kind, name in schema if kind == "table"}
+        if (version == 0 and not schema) or (version > 0 and _OWN_TABLES <= tables):
+            return version
         named = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         raise _Refused(
             self.path,

@@ -567,9 +567,11 @@ def test_a_read_only_server_is_waited_out_like_a_lost_connection(url, pg_server)
     second): the handler's checkpoint write waits and lands when the server takes writes again;
     the run is neither failed nor taken over."""
     admin = pg_server.url()
-    writes, done = [], asyncio.Event()
+    writes, done = [], None  # (an asyncio.Event, made on the test's loop: Python 3.9 binds one where it is made)
 
     async def main():
+        nonlocal done
+        done = asyncio.Event()
         s = Scheduler(url, poll=0.05)
 
         @s.every("write", "24h", offset=QUIET)
@@ -643,7 +645,7 @@ def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
     """While another process's run is running, an idle process reads the runs every 0.5 s to watch
     its owner's lock: one statement each time (it read the jobs and the newest slot too, three)."""
     calls = {"runs": 0, "jobs": 0, "newest_slot": 0}
-    started = asyncio.Event()
+    started = None  # (an asyncio.Event, made on the test's loop: Python 3.9 binds one where it is made)
 
     def counted(name):
         def call(original, *args):
@@ -653,6 +655,8 @@ def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
         return call
 
     async def main():
+        nonlocal started
+        started = asyncio.Event()
         a = Scheduler(url, instance="a", poll=0.05)
         b = inject(Scheduler(url, instance="b"), **{name: counted(name) for name in calls})
         for s in (a, b):

@@ -156,7 +156,7 @@ def test_one_ends_fault_never_fails_its_neighbours_in_the_batch(store):
         return original(owner, ends)
 
     started = []
-    both = asyncio.Event()
+    both = None  # (an asyncio.Event, made on the test's loop: Python 3.9 binds one where it is made)
 
     async def together(ctx):  # the two attempts end in the same turn of the loop: one batch
         started.append(ctx.job)
@@ -167,6 +167,8 @@ def test_one_ends_fault_never_fails_its_neighbours_in_the_batch(store):
             raise ValueError("bad")
 
     async def main():
+        nonlocal both
+        both = asyncio.Event()
         s = inject(Scheduler(store, poll=0.02), finish_many=finish_many)
         s.every("bad", "24h", together, offset=QUIET)
         s.every("good", "24h", together, offset=QUIET)
