@@ -2883,7 +2883,8 @@ class _SQLiteStore(_SQLStore):
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
             schema = conn.execute("SELECT type, name FROM sqlite_master").fetchall()
         finally:
-            conn.execute("COMMIT")
+            if conn.in_transaction:  # (a read that failed may have ended it: its error is the one to tell)
+                conn.execute("COMMIT")
         tables = {name for kind, name in schema if kind == "table"}
         if (version == 0 and not schema) or (version > 0 and _OWN_TABLES <= tables):
             return version
