@@ -133,6 +133,29 @@ def test_renewals_failing_for_half_a_lease_keep_it(store, caplog):
     assert renewals and all(outage.where in m and "injected" in m for m in renewals), renewals
 
 
+def declare_writers(s, value):
+    """The full-disk tests' jobs: ``first`` saves a small checkpoint; ``export``, once ``go`` is set,
+    saves ``value`` until a write succeeds, keeping each failure in ``errors``. Returns (go, errors)."""
+    go, errors = asyncio.Event(), []
+
+    @s.every("first", "24h", offset=QUIET)
+    async def first(ctx):
+        await ctx.checkpoint.set({"kept": True})
+
+    @s.every("export", "24h", offset=QUIET, lease="2s")
+    async def export(ctx):
+        await go.wait()
+        while True:
+            try:
+                await ctx.checkpoint.set(value)
+                return
+            except StoreError as exc:
+                errors.append(exc)
+                await ctx.signal.sleep(0.05)
+
+    return go, errors
+
+
 def test_a_failing_checkpoint_write_names_the_store_and_the_attempt_succeeds_once_it_works(store):
     """A handler's checkpoint writes fail (as on a full disk) with an error naming the store; earlier
     records are intact, and once the store works again the same attempt saves and succeeds."""
@@ -140,22 +163,7 @@ def test_a_failing_checkpoint_write_names_the_store_and_the_attempt_succeeds_onc
 
     async def main():
         s = inject(make(store), checkpoint_write=outage)
-        go, errors = asyncio.Event(), []
-
-        @s.every("first", "24h", offset=QUIET)
-        async def first(ctx):
-            await ctx.checkpoint.set({"kept": True})
-
-        @s.every("export", "24h", offset=QUIET, lease="2s")
-        async def export(ctx):
-            await go.wait()
-            while True:
-                try:
-                    await ctx.checkpoint.set("x" * 200_000)
-                    return
-                except StoreError as exc:
-                    errors.append(exc)
-                    await ctx.signal.sleep(0.05)
+        go, errors = declare_writers(s, "x" * 200_000)
 
         async with s:
             await s.trigger("first")
@@ -273,22 +281,7 @@ def test_full_disk_while_running(db, monkeypatch):
 
     async def main():
         s = make(db)
-        go, errors = asyncio.Event(), []
-
-        @s.every("first", "24h", offset=QUIET)
-        async def first(ctx):
-            await ctx.checkpoint.set({"kept": True})
-
-        @s.every("export", "24h", offset=QUIET, lease="2s")
-        async def export(ctx):
-            await go.wait()
-            while True:
-                try:
-                    await ctx.checkpoint.set(big)
-                    return
-                except StoreError as exc:
-                    errors.append(exc)
-                    await ctx.signal.sleep(0.05)
+        go, errors = declare_writers(s, big)
 
         async with s:
             await s.trigger("first")
