@@ -13,7 +13,7 @@ import time
 import urllib.parse
 
 import pytest
-from conftest import QUIET, inject, needs_faketime, run, wait_for, wall_clock_ahead
+from conftest import QUIET, Process, inject, needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -766,3 +766,100 @@ def test_a_long_c_call_holding_the_gil_aborts_nothing(url):
 
     assert run(main(), timeout=90) == [(1, "succeeded"), (1, "succeeded")]
     assert done and done[0] > al._PG_VOUCH, f"the GIL was held {done[0]:.2f} s only"
+
+
+# -- writers take turns (PostgreSQL only: transactions and row locks of the server) -------------
+
+
+class _Holder:
+    """A connection of its own that holds rows locked, as a writer in the middle of its
+    transaction does, until ``commit``."""
+
+    def __init__(self, url, statement, args=()):
+        import psycopg
+
+        target = al._PGTarget.parse(url)
+        self.raw = target.connect(psycopg)
+        self.raw.execute("BEGIN")
+        self.raw.execute(statement, args)
+
+    def commit(self):
+        self.raw.execute("COMMIT")
+        self.raw.close()
+
+
+def waiting_on_a_lock(url):
+    """How many of the store's sessions wait on a lock now."""
+    found = sql(
+        url,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'anarchon_lite' "
+        "AND wait_event_type = 'Lock' AND datname = current_database()",
+    )
+    return found[0][0]
+
+
+def serialization_failures(pg_server):
+    """The server log's serialization failures so far (the tests' own server; None for a given one)."""
+    if pg_server.folder is None:
+        return None
+    with open(f"{pg_server.folder}/log", errors="replace") as log:
+        return log.read().count("could not serialize access")
+
+
+def in_thread(call):
+    """``call()`` in a thread; a function that waits for it and gives its result."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    return lambda: future.result(timeout=60)
+
+
+def test_a_claim_behind_another_writer_waits_its_turn_and_is_not_failed_and_run_again(url, pg_server):
+    """Four processes claim the same due jobs: a claim that meets a job row another transaction
+    is writing waits for it and then sees its commit. As SERIALIZABLE transactions, a third of the
+    claims failed (could not serialize) and ran again."""
+    from test_store import claim_due, declared
+
+    process = Process(url)
+    try:
+        store = declared(process.open())
+        before = serialization_failures(pg_server)
+        holder = _Holder(url, "UPDATE jobs SET changed = changed WHERE name = 'job'")
+        try:
+            result = in_thread(lambda: claim_due(store, "b"))
+            run(wait_for(lambda: waiting_on_a_lock(url) == 1, message="the claim waits for the job's row"))
+        finally:
+            holder.commit()
+        claim = result()
+        assert isinstance(claim, al._Claim) and claim.attempt == 1
+        if before is not None:
+            assert serialization_failures(pg_server) == before
+    finally:
+        process.close()
+
+
+def test_a_renewal_committed_while_a_takeover_reads_the_run_is_never_overridden(url):
+    """The owner's renewal is in flight (its row locked) when another process claims the run as
+    expired: the claim waits for it, sees the new lease, and takes nothing; the owner keeps its run."""
+    from test_store import claim_due, declared
+
+    process = Process(url)
+    try:
+        store, other = declared(process.open()), process.open()
+        claim = claim_due(store, "a")
+        seen = store.runs()[0]
+        holder = _Holder(
+            url, "UPDATE runs SET lease_until = lease_until + 60 WHERE job = %s AND slot = %s", (claim.job, claim.slot)
+        )
+        try:
+            result = in_thread(lambda: other.claim(seen, "b", 30, 2000, 10, True, "lease expired"))
+            run(wait_for(lambda: waiting_on_a_lock(url) == 1, message="the takeover waits for the run's row"))
+        finally:
+            holder.commit()
+        assert result() is None
+        assert store.renew_all("a", [claim]) == []
+        assert [(r.owner, r.attempt) for r in store.runs()] == [("a", 1)]
+    finally:
+        process.close()
