@@ -118,6 +118,7 @@ T = TypeVar("T")
 Handler = Callable[["RunContext"], Any]
 H = TypeVar("H", bound=Callable[..., Any])  # a handler, as declared: the decorators give it back unchanged
 DurationLike = Union[int, float, _dt.timedelta, str]
+_Telling = Union[bool, Callable[[T], bool]]  # whether a write tells the others: always, or by its result
 
 
 ###############################################################################
@@ -1662,9 +1663,10 @@ class _SQLStore(_Store):
         """This process, as the owner of the runs it takes (what tells whether it still exists)."""
 
     @abc.abstractmethod
-    def _write(self, work: Callable[[Any], T], notify: bool = True, again: bool = True) -> T:
+    def _write(self, work: Callable[[Any], T], notify: _Telling[T] = True, again: bool = True) -> T:
         """Run ``work(conn)`` in one transaction; roll back on any error. ``notify``: tell the other
-        processes when it commits (a checkpoint needs no one's attention). ``again``: the
+        processes when it commits (a checkpoint needs no one's attention), or whether to, given what
+        ``work`` returned (a claim that found every watermark moved wrote nothing). ``again``: the
         transaction may be run a second time when its commit may have been lost with the connection
         (not a trigger: it would record a second run)."""
 
@@ -1743,7 +1745,9 @@ class _SQLStore(_Store):
         def work(conn: Any) -> list[_Claimed]:
             return [self._claim_due(conn, owner, now_ms, item) for item in due]
 
-        return self._write(work)
+        # (Of four processes claiming the same due jobs, three find them moved: their telling woke
+        # the others for nothing, 3,700 times in the PostgreSQL benchmark's 45 s.)
+        return self._write(work, notify=lambda claims: any(c is not _Claimless.MOVED for c in claims))
 
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
         job, slot = due.job, due.slot
@@ -2923,9 +2927,10 @@ class _SQLiteStore(_SQLStore):
         if self._board is not None:
             self._board.close()
 
-    def _write(self, work: Callable[[sqlite3.Connection], T], notify: bool = True, again: bool = True) -> T:
+    def _write(self, work: Callable[[sqlite3.Connection], T], notify: _Telling[T] = True, again: bool = True) -> T:
         """Run ``work`` inside ``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any error. (Every
-        commit wakes the other processes: it writes the -wal file that they watch.)"""
+        commit that changed a page wakes the other processes: it writes the -wal file that they
+        watch; one that changed nothing writes nothing, whatever ``notify`` says.)"""
         conn = self._connect()
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -4047,7 +4052,7 @@ class _PGStore(_SQLStore):
             self.close()
         return self._error(exc)
 
-    def _write(self, work: Callable[[Any], T], notify: bool = True, again: bool = True) -> T:
+    def _write(self, work: Callable[[Any], T], notify: _Telling[T] = True, again: bool = True) -> T:
         """Run ``work(conn)`` in one transaction, in this process's turn among the writers (the
         wait bounded by ``busy_timeout``); again while it deadlocks with a one-statement write (up to
         ``busy_timeout``) or, if ``again``, when its connection is lost (``_reconnecting``); notify
@@ -4061,7 +4066,7 @@ class _PGStore(_SQLStore):
                     with raw.transaction():
                         raw.execute(self._turn)
                         result = work(_PGConnection(raw))
-                        if notify:
+                        if notify is True or (notify and notify(result)):
                             raw.execute("SELECT pg_notify(%s, '')", (_pg_channel(self._target),))
                     return result
                 except self._psycopg.Error as exc:

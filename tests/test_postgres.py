@@ -863,3 +863,27 @@ def test_a_renewal_committed_while_a_takeover_reads_the_run_is_never_overridden(
         assert [(r.owner, r.attempt) for r in store.runs()] == [("a", 1)]
     finally:
         process.close()
+
+
+def test_a_claim_that_finds_every_job_moved_tells_no_one(url):
+    """Of the processes that claim a due job at once, all but one find its watermark moved: they
+    wrote nothing and wake no other process. (Notifications arrive in commit order: the first one
+    heard after the claim is the pause's, made on a connection of its own.)"""
+    import psycopg
+    from test_store import claim_due, declared
+
+    process = Process(url)
+    target = al._PGTarget.parse(url)
+    listener = target.connect(psycopg)
+    try:
+        store, other = declared(process.open()), process.open()
+        assert isinstance(claim_due(store, "a"), al._Claim)
+        listener.execute(f'LISTEN "{al._pg_channel(target)}"')
+        assert claim_due(store, "b") is al._Claimless.MOVED
+        assert other.set_paused("job", True, 5000)
+        pause = other._connect().info.backend_pid
+        told = next(listener.notifies(timeout=10))
+        assert told.pid == pause, "the claim that found the job moved told the others"
+    finally:
+        listener.close()
+        process.close()
