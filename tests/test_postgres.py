@@ -887,3 +887,35 @@ def test_a_claim_that_finds_every_job_moved_tells_no_one(url):
     finally:
         listener.close()
         process.close()
+
+
+def test_a_writer_partitioned_in_the_middle_of_its_transaction_holds_the_others_up_for_seconds(url):
+    """A process whose network path freezes (a paused VM) in the middle of a write transaction,
+    with the job's row written: the server ends its session after a few seconds of waiting for it
+    (``idle_in_transaction_session_timeout`` of the store's connections), and the other processes'
+    writes go on. Before, they waited for as long as the partition lasted."""
+    import urllib.parse
+
+    from tcpproxy import Proxy
+    from test_store import declared
+
+    server = urllib.parse.urlsplit(url)
+    proxy = Proxy((server.hostname, server.port))
+    frozen, stuck = Process(via_proxy(url, proxy)), Process(url)
+    try:
+        a, b = declared(frozen.open()), stuck.open()
+
+        def work(conn):
+            conn.execute("UPDATE jobs SET paused = 1 WHERE name = 'job'")
+            proxy.freeze()
+            return conn.execute("SELECT 1").fetchall()
+
+        in_thread(lambda: a._write(work, again=False))  # (it learns of its end once the path thaws)
+        run(wait_for(lambda: waiting_on_a_lock(url) == 0 and proxy.frozen, message="the partition"))
+        paused = in_thread(lambda: b.set_paused("job", False, 5000))
+        assert paused() is True
+    finally:
+        proxy.thaw()
+        frozen.close()
+        stuck.close()
+        proxy.close()
