@@ -105,11 +105,13 @@ __all__ = [
     "RunTimeout",
     "Scheduler",
     "Shutdown",
+    "StatusPage",
     "StoreError",
     "SystemClock",
     "format_duration",
     "main",
     "parse_duration",
+    "serve_status_page",
 ]
 
 _log = logging.getLogger("anarchon_lite")
@@ -1100,6 +1102,19 @@ class ProcessInfo:
     jobs: int | None  # how many jobs it declares (None: a process of an older version, which does not say)
 
 
+class _Stretch(NamedTuple):
+    """Records of one job and status close together in time, as the status page's timeline draws
+    them: how many, from the first one's start to the last one's end."""
+
+    job: str
+    status: str
+    records: int
+    start_ms: int
+    end_ms: int
+    attempt: int  # the highest among them
+    instance: str | None  # one of the processes that ran them
+
+
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
     """One history record: an attempt, or an occurrence that was skipped or missed (attempt 0)."""
@@ -1302,6 +1317,11 @@ class _Store(abc.ABC):
     @abc.abstractmethod
     def history(self, job: str | None, limit: int) -> list[RunRecord]:
         """The newest ``limit`` records (of ``job``, or of every job), newest first."""
+
+    @abc.abstractmethod
+    def timeline(self, since_ms: int, until_ms: int, part_ms: int) -> list[_Stretch]:
+        """The records from ``since_ms`` to ``until_ms``, each job's records of one status in each
+        ``part_ms`` merged into one stretch; by job, then time."""
 
     @abc.abstractmethod
     def figures(self) -> list[_JobFigures]:
@@ -1570,6 +1590,16 @@ _SQL_SLOT_USED = "SELECT 1 FROM runs WHERE job = :job AND slot = :slot UNION ALL
 _SQL_HISTORY_COLUMNS = "job, slot, attempt, status, instance, started_at, finished_at, error, output"
 _SQL_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT ?"
 _SQL_JOB_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? ORDER BY id DESC LIMIT ?"  # (by index)
+# The records that overlap a stretch of time, in groups of one job, status and part of the stretch
+# (a day of a job every second is 86,400 records; the status page draws at most a bar a pixel). A
+# record is found by its slot (indexed), up to a day before the stretch: a run longer than that
+# shows while it runs, not after.
+_SQL_TIMELINE = (
+    "SELECT job, status, (COALESCE(started_at, slot) - ?) / ? AS piece, count(*), "
+    "min(COALESCE(started_at, slot)), max(COALESCE(finished_at, started_at, slot)), max(attempt), min(instance) "
+    "FROM history WHERE slot >= ? AND slot < ? AND COALESCE(finished_at, started_at, slot) >= ? "
+    "GROUP BY job, status, piece ORDER BY job, piece"
+)
 # How many records of each status pruning has deleted, per job (the history keeps the rest).
 _SQL_TOTALS_TABLE = """CREATE TABLE IF NOT EXISTS totals (
         job TEXT NOT NULL,
@@ -1973,6 +2003,10 @@ class _SQLStore(_Store):
             RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
             for r in (self._read(_SQL_HISTORY, (limit,)) if job is None else self._read(_SQL_JOB_HISTORY, (job, limit)))
         ]
+
+    def timeline(self, since_ms: int, until_ms: int, part_ms: int) -> list[_Stretch]:
+        args = (since_ms, max(1, part_ms), since_ms - 86_400_000, until_ms, since_ms)
+        return [_Stretch(*row[:2], *row[3:]) for row in self._read(_SQL_TIMELINE, args)]
 
     def figures(self) -> list[_JobFigures]:
         names = sorted(row[0] for row in self._read(_SQL_JOB_NAMES))
@@ -7346,6 +7380,761 @@ class _LoopState:
 
 
 ###############################################################################
+# The status page #############################################################
+###############################################################################
+#
+# Every job, every run on a timeline, what runs now, live, in a browser: an HTTP server on the
+# event loop (standard library only), pages without external assets that read without JavaScript,
+# the same data as JSON, and control only when asked for, with a token.
+
+_WEB_JOBS_A_PAGE = 100
+_WEB_SPANS = {"1h": 3_600_000, "1d": 86_400_000, "1w": 604_800_000}  # the timeline's stretches (ms)
+_WEB_WIDTH = 840  # the timeline's drawing, in pixels (after the names' column)
+_WEB_LIVE = 0.5  # seconds between two looks for a change, while a page listens
+_WEB_COOKIE = "anarchon_token"
+_WEB_ACTIONS = ("trigger", "pause", "resume", "cancel")
+_WEB_COLOURS = {
+    "succeeded": "#2e9e4f",
+    "failed": "#d63b3b",
+    "timed_out": "#e8891c",
+    "interrupted": "#8e5bd0",
+    "cancelled": "#7d7d7d",
+    "skipped": "#c4c4c4",
+    "missed": "#e3c325",
+    "running": "#2f7fd6",
+    "pending": "#9cc4ee",
+}
+_WEB_STATUS = {404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden"}
+_WEB_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#263238;color:#fff;padding:.5em 1em;display:flex;gap:1.5em;align-items:baseline;flex-wrap:wrap}
+header a{color:#cfd8dc;text-decoration:none}header a.on{color:#fff;font-weight:600}
+header .store{margin-left:auto;font-size:12px;color:#90a4ae;word-break:break-all}
+main{padding:1em;overflow-x:auto}table{border-collapse:collapse;background:#fff;min-width:60%}
+th,td{padding:.25em .6em;border-bottom:1px solid #e0e0e0;text-align:left;vertical-align:top}
+th{background:#eceff1;font-weight:600}.mark{display:inline-block;width:9px;height:9px;margin-right:2px;border-radius:2px}
+.s{padding:0 .4em;border-radius:3px;color:#fff;font-size:12px;white-space:nowrap}
+pre{white-space:pre-wrap;word-break:break-all;max-width:90ch;margin:.2em 0;font-size:12px;background:#f3f3f3;padding:.4em}
+progress{width:12em}.muted{color:#777}.pages a{margin-right:.8em}form{display:inline}
+button{margin-right:.3em}#live{font-size:12px;color:#90a4ae}
+"""
+_WEB_SCRIPT = """
+(function(){
+function when(t){var d=new Date(t.getAttribute('datetime'));if(!isNaN(d)){t.title=t.textContent;t.textContent=d.toLocaleString();}}
+function times(root){root.querySelectorAll('time[datetime]').forEach(when);}
+times(document);
+document.querySelectorAll('svg text[data-t]').forEach(function(e){var d=new Date(+e.getAttribute('data-t'));
+ e.textContent=e.getAttribute('data-day')?d.toLocaleDateString()+' '+d.toLocaleTimeString([], {hour:'2-digit',minute:'2-digit'}):d.toLocaleTimeString([], {hour:'2-digit',minute:'2-digit'});});
+if(!window.EventSource)return;
+var colours=JSON.parse(document.body.getAttribute('data-colours'));
+function cell(tr,text,cls){var td=document.createElement('td');if(cls)td.className=cls;td.textContent=text;tr.appendChild(td);return td;}
+function status(td,s){td.textContent='';var b=document.createElement('span');b.className='s';b.textContent=s;b.style.background=colours[s]||'#555';td.appendChild(b);}
+function stamp(td,iso){if(!iso){td.textContent='-';return;}var t=document.createElement('time');t.setAttribute('datetime',iso);t.textContent=iso;td.textContent='';td.appendChild(t);when(t);}
+function progress(td,p){if(!p)return;var g=document.createElement('progress');if(p[1]){g.max=p[1];g.value=Math.min(p[0],p[1]);}td.appendChild(g);
+ td.appendChild(document.createTextNode(' '+(p[1]?Math.round(100*Math.min(1,p[0]/p[1]))+'% ('+p[0]+'/'+p[1]+')':p[0]+' done')));}
+function running(rows){var body=document.getElementById('running');if(!body)return;var job=body.getAttribute('data-job');body.textContent='';
+ rows.forEach(function(r){if(job&&r.job!==job)return;var tr=document.createElement('tr');tr.setAttribute('data-run',r.job+'/'+r.slot);
+ cell(tr,r.job);cell(tr,String(r.attempt));status(cell(tr,''),r.state);cell(tr,r.owner||'-');stamp(cell(tr,''),r.started_at);progress(cell(tr,'','p'),r.progress);body.appendChild(tr);});}
+function recent(records){var body=document.getElementById('recent');var seen={};
+ records.forEach(function(r){var row=document.querySelector('tr[data-job="'+CSS.escape(r.job)+'"]');
+  if(row&&!seen[r.job]){seen[r.job]=1;var last=row.querySelector('td.last');if(last){status(last,r.status);}var at=row.querySelector('td.at');if(at)stamp(at,r.started_at||r.scheduled_at);}});
+ if(!body)return;var job=body.getAttribute('data-job');var known={};body.querySelectorAll('tr[data-key]').forEach(function(tr){known[tr.getAttribute('data-key')]=tr;});
+ records.slice().reverse().forEach(function(r){if(job&&r.job!==job)return;var key=r.job+'/'+r.slot+'/'+r.attempt;var tr=document.createElement('tr');tr.setAttribute('data-key',key);
+  cell(tr,r.job);stamp(cell(tr,''),r.scheduled_at);cell(tr,String(r.attempt));status(cell(tr,''),r.status);cell(tr,r.instance||'-');stamp(cell(tr,''),r.started_at);
+  cell(tr,r.duration==null?'-':r.duration.toFixed(2)+'s');var e=cell(tr,'');if(r.error){var p=document.createElement('pre');p.textContent=r.error;e.appendChild(p);}
+  if(known[key]){body.replaceChild(tr,known[key]);}else{body.insertBefore(tr,body.firstChild);}});}
+var source=new EventSource('/events');
+var live=document.getElementById('live');
+source.onopen=function(){if(live)live.textContent='live';};
+source.onerror=function(){if(live)live.textContent='reconnecting';};
+source.onmessage=function(m){var d=JSON.parse(m.data);running(d.running);recent(d.recent);
+ var svg=document.getElementById('timeline');if(svg&&!svg.busy){svg.busy=1;fetch(location.pathname+location.search+(location.search?'&':'?')+'svg=1').then(function(r){return r.text();}).then(function(t){svg.innerHTML=t;svg.busy=0;times(svg);});}};
+})();
+"""
+
+
+# No script runs but the page's own (its nonce), nothing is loaded from elsewhere, no other site frames it.
+_WEB_POLICY = (
+    "default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+def _html(value: object) -> str:
+    """Stored text as HTML text or an attribute's value: whatever its characters, it is only text."""
+    import html
+
+    return html.escape(_safe_text(value), quote=True)
+
+
+def _listen_address(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8080`` for IPv6) as a host and a port."""
+    host, colon, port = listen.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not colon or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"expected HOST:PORT (such as 127.0.0.1:8080), got {listen!r}", option="listen")
+    return host, int(port)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _shown_store(path: str) -> str:
+    """Where the state lives, as a page may show it: a URL without its password."""
+    if _is_postgres(path):
+        try:
+            return _PGTarget.parse(path).shown
+        except ConfigError:
+            return "postgresql://…"
+    return path
+
+
+class _WebRequest(NamedTuple):
+    method: str
+    path: str  # decoded, without the query
+    query: dict[str, str]
+    headers: dict[str, str]  # names in lower case
+    body: bytes
+    peer: str
+
+
+class _WebReply(NamedTuple):
+    status: int
+    body: bytes
+    kind: str = "text/html; charset=utf-8"
+    headers: tuple[tuple[str, str], ...] = ()
+    nonce: str = ""  # the page's own script's (no other script runs)
+
+
+class StatusPage:
+    """The status page of a store, served over HTTP: every job, a timeline of runs, what runs now
+    with its progress, a job's history and output, the processes; live in a browser (server-sent
+    events), readable without JavaScript, and the same data as JSON under ``/api/``.
+
+    ``scheduler`` is any ``Scheduler`` of the store: a running one (the page lives in that process)
+    or one made only to look (``Scheduler(path, read_only=True)``). The page binds to loopback by
+    default; any other address needs ``token``, which every request must then carry (``?token=``
+    once, kept in a cookie, or ``Authorization: Bearer``). ``control=True`` (also with a token)
+    adds buttons for trigger, pause, resume and cancel, each logged with who asked.
+
+    ``await page.start()`` listens (``page.url`` says where); ``await page.close()`` stops;
+    ``async with StatusPage(scheduler) as page:`` does both.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, listen: str = "127.0.0.1:8080", *, token: str | None = None, control: bool = False
+    ):
+        self.host, self.port = _listen_address(listen)
+        if token is not None and (len(token) < 16 or not token.isprintable() or " " in token):
+            raise ConfigError("a token must be at least 16 printable characters, without spaces", option="token")
+        if token is None and not _loopback(self.host):
+            raise ConfigError(
+                f"{self.host} is not a loopback address: a page that others can reach needs a token "
+                "(--token, or $ANARCHON_WEB_TOKEN)",
+                option="listen",
+            )
+        if control and token is None:
+            raise ConfigError("control (trigger, pause, resume, cancel) needs a token", option="control")
+        self.scheduler = scheduler  #: what the page reads (and, with control, changes)
+        self._token = token
+        self._control = control
+        self._server: asyncio.AbstractServer | None = None
+        self._listeners: set[asyncio.Queue[bytes]] = set()  #: the pages listening for changes
+        self._watch: asyncio.Task[None] | None = None  #: what looks for changes while a page listens
+        self._status: tuple[float, list[JobStatus]] | None = None  #: the newest status, and when it was read
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve_one, self.host, self.port, limit=16384)
+        self.port = self._server.sockets[0].getsockname()[1]  # (port 0: the one the system chose)
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+            self._watch = None
+        for queue in self._listeners:
+            queue.put_nowait(b"")
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def serve(self) -> None:
+        """Listen until cancelled."""
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.close()
+
+    async def __aenter__(self) -> StatusPage:  # noqa: PYI034 - no typing_extensions at run time
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- HTTP -------------------------------------------------------------------------------------
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            request = await self._read(reader, str(peer[0]) if peer else "?")
+            if request is None:
+                return
+            if request.path == "/events" and request.method == "GET" and self._allowed(request):
+                await self._events(writer)
+                return
+            try:
+                reply = await self._answer(request)
+            except AnarchonError as exc:
+                reply = self._problem(503 if isinstance(exc, StoreError) else 400, str(exc))
+            self._write(writer, reply, head_only=request.method == "HEAD")
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+            pass
+        except Exception:  # noqa: BLE001 - a bug of this page must not end the process it lives in
+            _log.exception("status page: answering a request failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _read(self, reader: asyncio.StreamReader, peer: str) -> _WebRequest | None:
+        import urllib.parse
+
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return None
+        headers = {}
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if colon:
+                headers[name.strip().lower()] = value.strip()
+        length = headers.get("content-length", "0")
+        body = b""
+        if length.isdigit() and 0 < int(length) <= 16384:
+            body = await asyncio.wait_for(reader.readexactly(int(length)), 10)
+        target = urllib.parse.urlsplit(parts[1])
+        query = dict(urllib.parse.parse_qsl(target.query, errors="replace"))
+        path = urllib.parse.unquote(target.path, errors="replace")
+        return _WebRequest(parts[0], path, query, headers, body, peer)
+
+    def _write(self, writer: asyncio.StreamWriter, reply: _WebReply, head_only: bool = False) -> None:
+        lines = [
+            f"HTTP/1.1 {reply.status} {_WEB_STATUS.get(reply.status, 'OK')}",
+            f"Content-Type: {reply.kind}",
+            f"Content-Length: {len(reply.body)}",
+            "Connection: close",
+            "Cache-Control: no-store",
+            "X-Content-Type-Options: nosniff",
+            "X-Frame-Options: DENY",
+            "Referrer-Policy: no-referrer",
+            f"Content-Security-Policy: {_WEB_POLICY.format(nonce=reply.nonce or 'none')}",
+            *(f"{name}: {value}" for name, value in reply.headers),
+        ]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else reply.body))
+
+    def _allowed(self, request: _WebRequest) -> bool:
+        """Whether the request carries the token (always, without one)."""
+        import hmac
+
+        if self._token is None:
+            return True
+        given = [request.query.get("token", "")]
+        given.append(request.headers.get("authorization", "").removeprefix("Bearer "))
+        for part in request.headers.get("cookie", "").split(";"):
+            name, _, value = part.strip().partition("=")
+            if name == _WEB_COOKIE:
+                given.append(value)
+        return any(hmac.compare_digest(value.encode(), self._token.encode()) for value in given if value)
+
+    def _csrf(self) -> str:
+        import hmac
+
+        assert self._token is not None
+        return hmac.new(self._token.encode(), b"anarchon_lite status page form", hashlib.sha256).hexdigest()
+
+    def _problem(self, status: int, text: str, headers: tuple[tuple[str, str], ...] = ()) -> _WebReply:
+        page = f"<!doctype html><meta charset=utf-8><title>{status}</title><p>{_html(text)}</p>"
+        return _WebReply(status, page.encode(), headers=headers)
+
+    async def _answer(self, request: _WebRequest) -> _WebReply:
+        if not self._allowed(request):
+            return self._problem(401, "this page needs its token: open it as /?token=TOKEN once")
+        if "token" in request.query and request.method in ("GET", "HEAD"):  # kept in a cookie, out of the address
+            import urllib.parse
+
+            rest = urllib.parse.urlencode({k: v for k, v in request.query.items() if k != "token"})
+            cookie = f"{_WEB_COOKIE}={self._token}; HttpOnly; SameSite=Strict; Path=/"
+            return _WebReply(
+                303, b"", headers=(("Location", request.path + (f"?{rest}" if rest else "")), ("Set-Cookie", cookie))
+            )
+        parts = request.path.strip("/").split("/")
+        if request.method == "POST":
+            if len(parts) == 3 and parts[0] == "job" and parts[2] in _WEB_ACTIONS:
+                return await self._act(request, parts[1], parts[2])
+            return self._problem(405 if self._route(parts) else 404, "no such page")
+        if request.method not in ("GET", "HEAD"):
+            return self._problem(405, "only GET (and POST for control)", headers=(("Allow", "GET, HEAD"),))
+        page = self._route(parts)
+        if page is None:
+            return self._problem(404, "no such page")
+        return await page(request, *parts[1:])
+
+    def _route(self, parts: list[str]) -> Callable[..., Awaitable[_WebReply]] | None:
+        pages: dict[tuple[str, int], Callable[..., Awaitable[_WebReply]]] = {
+            ("", 1): self._jobs_page,
+            ("timeline", 1): self._timeline_page,
+            ("running", 1): self._running_page,
+            ("processes", 1): self._processes_page,
+            ("job", 2): self._job_page,
+            ("api", 2): self._api,
+        }
+        return pages.get((parts[0], len(parts)))
+
+    # -- the data ---------------------------------------------------------------------------------
+
+    async def _jobs(self) -> list[JobStatus]:
+        """Every job's status, read at most once a second whatever the number of pages asking."""
+        now = time.monotonic()
+        if self._status is None or now - self._status[0] > 1.0:
+            self._status = (now, await self.scheduler.status())
+        return self._status[1]
+
+    async def _running(self) -> list[RunInfo]:
+        rows = await self.scheduler._link.call(lambda store: store.runs())
+        now = time.time()
+        return [_run_info(row, now) for row in rows]
+
+    async def _live(self) -> bytes:
+        running, recent = await asyncio.gather(self._running(), self.scheduler.history(None, 20))
+        shown = {"running": [_running_json(r) for r in running], "recent": [_web_record_json(r) for r in recent]}
+        return json.dumps(shown, separators=(",", ":")).encode()
+
+    async def _events(self, writer: asyncio.StreamWriter) -> None:
+        """Server-sent events: what runs now and the newest records, whenever they change. One look
+        every ``_WEB_LIVE`` seconds serves every listening page."""
+        head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n\r\nretry: 2000\n\n"
+        writer.write(head.encode())
+        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=8)
+        self._listeners.add(queue)
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.ensure_future(self._look())
+        else:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(self._last_told)
+        try:
+            while True:
+                told = await queue.get()
+                if not told:
+                    return
+                writer.write(b"data: " + told + b"\n\n")
+                await writer.drain()
+        finally:
+            self._listeners.discard(queue)
+
+    _last_told = b""
+
+    async def _look(self) -> None:
+        while self._listeners:
+            try:
+                told = await self._live()
+            except StoreError as exc:
+                _log.warning("status page: %s", exc)
+                told = b""
+            if told and told != self._last_told:
+                self._last_told = told
+                for queue in list(self._listeners):
+                    with contextlib.suppress(asyncio.QueueFull):
+                        queue.put_nowait(told)
+            await asyncio.sleep(_WEB_LIVE)
+
+    async def _act(self, request: _WebRequest, job: str, action: str) -> _WebReply:
+        import hmac
+        import urllib.parse
+
+        if not self._control:
+            return self._problem(403, "this page is read-only: start it with --control and a token to control jobs")
+        form = dict(urllib.parse.parse_qsl(request.body.decode("latin-1")))
+        if not hmac.compare_digest(form.get("csrf", "").encode(), self._csrf().encode()):
+            return self._problem(403, "the form's token is missing or wrong: reload the page")
+        _log.warning("status page: %s %s, asked from %s", action, job, request.peer)
+        await getattr(self.scheduler, action)(job)
+        self._status = None
+        return _WebReply(303, b"", headers=(("Location", "/job/" + urllib.parse.quote(job, safe="")),))
+
+    async def _api(self, request: _WebRequest, what: str) -> _WebReply:
+        data: object
+        if what == "status":
+            jobs, processes = await asyncio.gather(self._jobs(), self.scheduler.processes())
+            data = {"jobs": [_status_json(j) for j in jobs], "processes": [_process_json(p) for p in processes]}
+        elif what == "history":
+            data = [
+                _record_json(r) for r in await self.scheduler.history(request.query.get("job"), self._limit(request))
+            ]
+        elif what == "running":
+            data = [_running_json(r) for r in await self._running()]
+        elif what == "timeline":
+            since, until, span = self._span(request)
+            stretches = await self._stretches(since, until, span)
+            data = [s._asdict() for s in stretches]
+        else:
+            return self._problem(404, "no such page")
+        return _WebReply(200, json.dumps(data, separators=(",", ":")).encode(), "application/json")
+
+    def _limit(self, request: _WebRequest) -> int:
+        text = request.query.get("limit", "100")
+        if not text.isdigit() or not 1 <= int(text) <= 100_000:
+            raise ConfigError(f"limit must be a whole number from 1 to 100000, got {text!r}", option="limit")
+        return int(text)
+
+    def _span(self, request: _WebRequest) -> tuple[int, int, str]:
+        span = request.query.get("span", "1h")
+        if span not in _WEB_SPANS:
+            raise ConfigError(f"span must be one of {', '.join(_WEB_SPANS)}, got {span!r}", option="span")
+        until = _ms(time.time())
+        return until - _WEB_SPANS[span], until, span
+
+    async def _stretches(self, since: int, until: int, span: str) -> list[_Stretch]:
+        part = _WEB_SPANS[span] // (_WEB_WIDTH // 2)
+        return await self.scheduler._link.call(lambda store: store.timeline(since, until, part))
+
+    # -- pages ------------------------------------------------------------------------------------
+
+    def _page(self, title: str, here: str, body: str) -> _WebReply:
+        links = "".join(
+            f'<a href="{href}"{" class=on" if name == here else ""}>{name}</a>'
+            for name, href in (
+                ("jobs", "/"),
+                ("timeline", "/timeline"),
+                ("running", "/running"),
+                ("processes", "/processes"),
+            )
+        )
+        store = _html(_shown_store(self.scheduler.path))
+        nonce = os.urandom(12).hex()
+        colours = _html(json.dumps(_WEB_COLOURS))
+        page = (
+            f"<!doctype html><html lang=en><meta charset=utf-8><meta name=viewport content='width=device-width'>"
+            f"<title>{_html(title)} · anarchon_lite</title><style>{_WEB_STYLE}</style>"
+            f"<body data-colours='{colours}'><header><b>anarchon_lite</b>{links}"
+            f"<span id=live></span><span class=store>{store}</span></header><main>{body}</main>"
+            f"<script nonce={nonce}>{_WEB_SCRIPT}</script></body></html>"
+        )
+        return _WebReply(200, page.encode(), nonce=nonce)
+
+    async def _jobs_page(self, request: _WebRequest) -> _WebReply:
+        import urllib.parse
+
+        jobs = await self._jobs()
+        number, pages = self._page_number(request, len(jobs), _WEB_JOBS_A_PAGE)
+        shown = jobs[number * _WEB_JOBS_A_PAGE : (number + 1) * _WEB_JOBS_A_PAGE]
+        names = [job.name for job in shown]
+        marks = await self.scheduler._link.call(lambda store: {name: store.history(name, 10) for name in names})
+        rows = []
+        for job in shown:
+            href = "/job/" + urllib.parse.quote(job.name, safe="")
+            following = None if job.paused or job.undeclared else job.next_at
+            last = "".join(
+                f'<span class=mark style="background:{_WEB_COLOURS.get(r.status, "#555")}" title="{_html(r.status)}"></span>'
+                for r in reversed(marks.get(job.name, []))
+            )
+            runs = "<br>".join(
+                f"attempt {r.attempt} {_html(r.state)} on {_html(r.owner or '-')} {_web_progress(r.progress)}"
+                for r in job.runs
+            )
+            rows.append(
+                f'<tr data-job="{_html(job.name)}"><td><a href="{_html(href)}">{_html(job.name)}</a></td>'
+                f"<td>{_html(job.state)}</td><td>{_html(job.schedule)}</td><td>{_web_time(following)}</td>"
+                f"<td class=last>{_web_status(job.last_status)}</td><td class=at>{_web_time(job.last_at)}</td>"
+                f"<td>{last}</td><td>{runs}</td><td>{_html(job.declared_by or '-')}</td></tr>"
+            )
+        table = (
+            "<table><thead><tr><th>job</th><th>state</th><th>schedule</th><th>next</th><th>result</th>"
+            "<th>last</th><th>last runs</th><th>running</th><th>declared by</th></tr></thead><tbody>"
+            + "".join(rows)
+            + "</tbody></table>"
+        )
+        body = (
+            f"<h2>{len(jobs)} job{'' if len(jobs) == 1 else 's'}</h2>{table}{self._pager('/', number, pages, request)}"
+        )
+        return self._page("jobs", "jobs", body)
+
+    def _page_number(self, request: _WebRequest, count: int, size: int) -> tuple[int, int]:
+        pages = max(1, -(-count // size))
+        text = request.query.get("page", "1")
+        if not text.isdigit() or not 1 <= int(text) <= pages:
+            raise ConfigError(f"page must be a whole number from 1 to {pages}, got {text!r}", option="page")
+        return int(text) - 1, pages
+
+    def _pager(self, path: str, number: int, pages: int, request: _WebRequest) -> str:
+        import urllib.parse
+
+        if pages == 1:
+            return ""
+        links = []
+        for label, target in (
+            ("« first", 0),
+            ("‹ previous", number - 1),
+            ("next ›", number + 1),
+            ("last »", pages - 1),
+        ):
+            if 0 <= target < pages and target != number:
+                query = urllib.parse.urlencode({**request.query, "page": target + 1})
+                links.append(f'<a href="{_html(path)}?{_html(query)}">{label}</a>')
+        return f"<p class=pages>page {number + 1} of {pages} {''.join(links)}</p>"
+
+    async def _timeline_page(self, request: _WebRequest) -> _WebReply:
+        since, until, span = self._span(request)
+        stretches, jobs, running = await asyncio.gather(
+            self._stretches(since, until, span), self._jobs(), self._running()
+        )
+        names = [job.name for job in jobs]
+        number, pages = self._page_number(request, len(names), 50)
+        svg = _timeline_svg(names[number * 50 : (number + 1) * 50], stretches, running, since, until)
+        if request.query.get("svg"):
+            return _WebReply(200, svg.encode(), "image/svg+xml")
+        choices = " ".join(
+            f'<a href="/timeline?span={name}"{" class=on" if name == span else ""}>{name}</a>' for name in _WEB_SPANS
+        )
+        legend = " ".join(
+            f'<span class=mark style="background:{colour}"></span>{name}' for name, colour in _WEB_COLOURS.items()
+        )
+        body = (
+            f"<h2>runs of the last {span}</h2><p>{choices}</p><p class=muted>{legend}</p>"
+            f"<div id=timeline>{svg}</div>{self._pager('/timeline', number, pages, request)}"
+        )
+        return self._page("timeline", "timeline", body)
+
+    async def _running_page(self, request: _WebRequest) -> _WebReply:
+        running = await self._running()
+        body = f"<h2>running and waiting now</h2>{_running_table(running)}"
+        return self._page("running", "running", body)
+
+    async def _processes_page(self, request: _WebRequest) -> _WebReply:
+        processes = await self.scheduler.processes()
+        rows = "".join(
+            f"<tr><td>{_html(p.instance)}</td><td>{p.pid or '-'}</td><td>{_html(p.host or '-')}</td>"
+            f"<td>{_web_time(p.started_at)}</td><td>{'-' if p.jobs is None else p.jobs}</td></tr>"
+            for p in processes
+        )
+        table = (
+            "<table><thead><tr><th>process</th><th>pid</th><th>host</th><th>since</th><th>jobs</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>"
+        )
+        body = f"<h2>{len(processes)} process{'' if len(processes) == 1 else 'es'} on the store</h2>{table}"
+        return self._page("processes", "processes", body)
+
+    async def _job_page(self, request: _WebRequest, name: str) -> _WebReply:
+        import urllib.parse
+
+        jobs = await self._jobs()
+        job = next((j for j in jobs if j.name == name), None)
+        if job is None:
+            self._status = None  # (a job declared since the status was read)
+            job = next((j for j in await self._jobs() if j.name == name), None)
+        if job is None:
+            return self._problem(404, f"no job {name!r} in the store")
+        records, running = await asyncio.gather(self.scheduler.history(name, 1000), self._running())
+        number, pages = self._page_number(request, len(records), 100)
+        upcoming = _web_upcoming(job)
+        facts = (
+            f"<table><tr><th>schedule</th><td>{_html(job.schedule)}</td></tr>"
+            f"<tr><th>state</th><td>{_html(job.state)}</td></tr>"
+            f"<tr><th>next</th><td>{'<br>'.join(_web_time(t) for t in upcoming) or '-'}</td></tr>"
+            f"<tr><th>declared by</th><td>{_html(job.declared_by or '-')}</td></tr>"
+            f"<tr><th>declared as</th><td>{_html(job.definition or '-')}</td></tr></table>"
+        )
+        buttons = ""
+        if self._control:
+            path = _html("/job/" + urllib.parse.quote(name, safe=""))
+            buttons = (
+                "<p>"
+                + "".join(
+                    f'<form method=post action="{path}/{action}"><input type=hidden name=csrf value="{self._csrf()}">'
+                    f"<button>{action}</button></form>"
+                    for action in _WEB_ACTIONS
+                )
+                + "</p>"
+            )
+        mine = [r for r in running if r.job == name]
+        shown = records[number * 100 : (number + 1) * 100]
+        body = (
+            f"<h2>{_html(name)}</h2>{buttons}{facts}<h3>running and waiting</h3>{_running_table(mine, name)}"
+            f"<h3>history ({len(records)} record{'' if len(records) == 1 else 's'})</h3>{_records_table(shown, name)}"
+            f"{self._pager(request.path, number, pages, request)}"
+        )
+        return self._page(name, "", body)
+
+
+def _web_time(moment: _dt.datetime | None) -> str:
+    """A time for a page: UTC in the HTML, the viewer's zone once the script runs (UTC on hover)."""
+    if moment is None:
+        return "-"
+    utc = moment.astimezone(_UTC)
+    return f'<time datetime="{utc.isoformat()}">{utc.strftime("%Y-%m-%d %H:%M:%S UTC")}</time>'
+
+
+def _web_status(status: str | None) -> str:
+    if status is None:
+        return "-"
+    return f'<span class=s style="background:{_WEB_COLOURS.get(status, "#555")}">{_html(status)}</span>'
+
+
+def _web_progress(progress: tuple[float, float | None] | None) -> str:
+    if progress is None:
+        return ""
+    done, total = progress
+    if not total:
+        return f"{done:g} done"
+    share = max(0.0, min(1.0, done / total))
+    return f"<progress max={total:g} value={min(done, total):g}></progress> {share:.0%} ({done:g}/{total:g})"
+
+
+def _web_upcoming(job: JobStatus, count: int = 5) -> list[_dt.datetime]:
+    """The next occurrences of a job, from its stored schedule (none if it cannot be read)."""
+    if job.paused or job.undeclared:
+        return []
+    try:
+        schedule = _schedule_from(job.schedule, job.name)
+    except ConfigError:
+        return [job.next_at] if job.next_at else []
+    times: list[_dt.datetime] = []
+    cursor: int | None = _ms(time.time())
+    while len(times) < count and cursor is not None:
+        cursor = schedule.next_after(cursor)
+        if cursor is not None:
+            times.append(_utc_from_ms(cursor))
+    return times
+
+
+def _running_json(run: RunInfo) -> dict[str, Any]:
+    return {**dataclasses.asdict(run), "started_at": run.started_at.isoformat() if run.started_at else None}
+
+
+def _web_record_json(record: RunRecord) -> dict[str, Any]:
+    """A record as the live pages take it: as ``history --json``, with its duration, the output's tail."""
+    duration = None
+    if record.started_at and record.finished_at:
+        duration = (record.finished_at - record.started_at).total_seconds()
+    fields = _record_json(record)
+    fields["output"] = None if record.output is None else record.output[-1000:]
+    return {**fields, "duration": duration}
+
+
+def _running_table(running: list[RunInfo], job: str = "") -> str:
+    rows = "".join(
+        f'<tr data-run="{_html(r.job)}/{r.slot}"><td>{_html(r.job)}</td><td>{r.attempt}</td><td>{_web_status(r.state)}</td>'
+        f"<td>{_html(r.owner or '-')}</td><td>{_web_time(r.started_at)}</td><td class=p>{_web_progress(r.progress)}</td></tr>"
+        for r in running
+    )
+    return (
+        "<table><thead><tr><th>job</th><th>attempt</th><th>state</th><th>process</th><th>started</th>"
+        f'<th>progress</th></tr></thead><tbody id=running data-job="{_html(job)}">{rows}</tbody></table>'
+    )
+
+
+def _records_table(records: list[RunRecord], job: str = "") -> str:
+    rows = []
+    for r in records:
+        duration = "-"
+        if r.started_at and r.finished_at:
+            duration = f"{(r.finished_at - r.started_at).total_seconds():.2f}s"
+        error = f"<pre>{_html(r.error)}</pre>" if r.error else ""
+        output = f"<details><summary>output</summary><pre>{_html(r.output[-1000:])}</pre></details>" if r.output else ""
+        rows.append(
+            f'<tr data-key="{_html(r.job)}/{r.slot}/{r.attempt}"><td>{_html(r.job)}</td><td>{_web_time(r.scheduled_at)}</td>'
+            f"<td>{r.attempt}</td><td>{_web_status(r.status)}</td><td>{_html(r.instance or '-')}</td>"
+            f"<td>{_web_time(r.started_at)}</td><td>{duration}</td><td>{error}{output}</td></tr>"
+        )
+    return (
+        "<table><thead><tr><th>job</th><th>scheduled</th><th>attempt</th><th>status</th><th>process</th>"
+        "<th>started</th><th>took</th><th>error, output</th></tr></thead>"
+        f'<tbody id=recent data-job="{_html(job)}">{"".join(rows)}</tbody></table>'
+    )
+
+
+def _timeline_svg(names: list[str], stretches: list[_Stretch], running: list[RunInfo], since: int, until: int) -> str:
+    """One row a job, a bar a stretch of records (the running attempts to now), coloured by status;
+    the process and times on hover."""
+    label, row, width = 180, 20, _WEB_WIDTH
+    scale = width / (until - since)
+    y_of = {name: 24 + n * row for n, name in enumerate(names)}
+    parts = []
+    for n in range(7):  # the axis: seven times across the stretch
+        at = since + (until - since) * n // 6
+        x = label + (at - since) * scale
+        anchor = "start" if n == 0 else "end" if n == 6 else "middle"
+        text = _utc_from_ms(at).strftime("%H:%M")
+        parts.append(
+            f'<line x1="{x:.1f}" y1="16" x2="{x:.1f}" y2="{24 + len(names) * row}" stroke="#ddd"/>'
+            f'<text x="{x:.1f}" y="12" font-size="11" text-anchor="{anchor}" data-t="{at}"'
+            f"{' data-day=1' if until - since > 86_400_000 else ''}>{text}</text>"
+        )
+    for name, y in y_of.items():
+        parts.append(f'<text x="0" y="{y + 13}" font-size="12">{_html(name[:28])}<title>{_html(name)}</title></text>')
+    bars = [
+        (s.job, s.status, s.start_ms, max(s.end_ms, s.start_ms), s.records, s.attempt, s.instance) for s in stretches
+    ]
+    now = _ms(time.time())
+    for r in running:
+        if r.started_at is not None and r.state == "running":
+            bars.append((r.job, "running", _ms_from_dt(r.started_at), now, 1, r.attempt, r.owner))
+    for job, status, start, end, records, attempt, instance in bars:
+        top = y_of.get(job)
+        if top is None or end < since:
+            continue
+        x = label + (max(start, since) - since) * scale
+        w = max(2.0, (min(end, until) - max(start, since)) * scale)
+        what = f"{job}: {records} {status}" if records > 1 else f"{job}: {status}, attempt {attempt}"
+        when = (
+            f"{_utc_from_ms(start).isoformat(timespec='seconds')} to {_utc_from_ms(end).isoformat(timespec='seconds')}"
+        )
+        parts.append(
+            f'<rect x="{x:.1f}" y="{top + 2}" width="{w:.1f}" height="{row - 6}" fill="{_WEB_COLOURS.get(status, "#555")}">'
+            f"<title>{_html(what)} on {_html(instance or '-')}, {when} UTC</title></rect>"
+        )
+    height = 30 + len(names) * row
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label + width + 10}" height="{height}" '
+        f'font-family="system-ui,sans-serif">{"".join(parts)}</svg>'
+    )
+
+
+async def serve_status_page(
+    path: str, listen: str = "127.0.0.1:8080", *, token: str | None = None, control: bool = False
+) -> None:
+    """Serve the status page of the store at ``path`` (a file or a URL) until cancelled, from a
+    process of its own: read-only connections unless ``control``."""
+    scheduler = Scheduler(path, read_only=not control)
+    page = StatusPage(scheduler, listen, token=token, control=control)
+    try:
+        await page.start()
+        _log.warning("status page of %s on %s%s", _shown_store(path), page.url, " (with control)" if control else "")
+        await asyncio.Event().wait()
+    finally:
+        await page.close()
+        scheduler.close()
+
+
+###############################################################################
 # The command line ############################################################
 ###############################################################################
 
@@ -8448,6 +9237,21 @@ def _parser() -> argparse.ArgumentParser:
         control = command(name, text)
         control.add_argument("name", help="the job's name")
         control.add_argument("--json", action="store_true", help="say what was done as a JSON object")
+    web = command("web", "serve a status page: every job, a timeline of runs, what runs now, live in a browser")
+    web.add_argument(
+        "--listen",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="where (default: 127.0.0.1:8080; port 0: any free one)",
+    )
+    web.add_argument(
+        "--token",
+        default=os.environ.get("ANARCHON_WEB_TOKEN") or None,
+        help="a secret every request must carry (default: $ANARCHON_WEB_TOKEN); needed off loopback and for --control",
+    )
+    web.add_argument(
+        "--control", action="store_true", help="buttons for trigger, pause, resume and cancel (needs a token)"
+    )
     schema = command("schema", "print the SQL that creates a PostgreSQL schema for a role that may not create it")
     schema.add_argument("--role", help="the role that will use it (default: the URL's user)")
     run = command("run", "run the Scheduler that MODULE:ATTRIBUTE names")
@@ -8529,6 +9333,10 @@ def _command(args: argparse.Namespace) -> int:
         return 0
     if not _is_postgres(args.db) and not os.path.exists(args.db):
         raise StoreError(args.db, "no such database file")
+    if args.command == "web":
+        _configure_logging(args.log_level, args.log_format)
+        _serve_web(args.db, args.listen, args.token, args.control)
+        return 0
     read_only = args.command in ("status", "history", "show", "next")
     control = Control(args.db, read_only=read_only, shared_group=args.shared_group)
     if args.command == "status" and args.prometheus:
@@ -8554,6 +9362,31 @@ def _command(args: argparse.Namespace) -> int:
         result = getattr(control, args.command)(args.name)  # trigger: its slot; cancel: how many; else None
         _confirm(args.command, args.name, result, args.json)
     return 0
+
+
+def _serve_web(path: str, listen: str, token: str | None, control: bool) -> None:
+    """``web``: the status page until SIGTERM or SIGINT; one line says where it is."""
+
+    async def serve() -> None:
+        scheduler = Scheduler(path, read_only=not control)
+        try:
+            page = StatusPage(scheduler, listen, token=token, control=control)
+            await scheduler.status()  # (a store that cannot be read is said now, not on the first page)
+            await page.start()
+            print(
+                f"status page of {_shown_store(path)} on {page.url}" + (" (with control)" if control else ""),
+                flush=True,
+            )
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, stop.set)
+            await stop.wait()
+            await page.close()
+        finally:
+            scheduler.close()
+
+    asyncio.run(serve())
 
 
 def _schema_script(url: str, role: str | None) -> str:
