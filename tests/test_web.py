@@ -1,0 +1,220 @@
+"""The status page (``anarchon-lite web``, ``StatusPage``): against a real scheduler process with
+real runs, over HTTP, and in a real browser (headless Chromium driven by selenium)."""
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import urllib.parse
+
+import pytest
+from conftest import stop_processes
+from test_cli import ENV, ROOT, anarchon, cli, wait_until
+
+APP = os.path.join(ROOT, "tests", "webapp.py")
+EVIL = "<script>document.title='pwned'</script>"
+TOKEN = "a-token-of-the-tests-0123456789"
+
+
+def first_line(stream, timeout=30.0):
+    """The first line a process writes, or an error after ``timeout`` seconds."""
+    got = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got or not got[0]:
+        raise AssertionError(f"no line within {timeout} s")
+    return got[0]
+
+
+class Web:
+    """A ``web`` command's process on ``store``, listening on a free port of loopback."""
+
+    def __init__(self, store, *args, listen="127.0.0.1:0", env=None):
+        command = [sys.executable, "-m", "anarchon_lite", "--db", store, "web", "--listen", listen, *args]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})}
+        )
+        try:
+            line = first_line(self.proc.stdout)
+        except AssertionError:
+            self.close()
+            raise AssertionError(f"the page did not start: {self.proc.stderr.read()}") from None
+        self.url = re.search(r"http://\S+", line).group()
+        parts = urllib.parse.urlsplit(self.url)
+        self.host, self.port = parts.hostname, parts.port
+
+    def request(self, path, method="GET", body=None, headers=None):
+        """``(status, headers, text)`` of one request (redirects are not followed)."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            reply = conn.getresponse()
+            return reply.status, dict(reply.getheaders()), reply.read().decode()
+        finally:
+            conn.close()
+
+    def get(self, path, **kw):
+        status, _, text = self.request(path, **kw)
+        assert status == 200, (path, status, text)
+        return text
+
+    def close(self):
+        """End the process; ``log`` is then what it wrote to stderr."""
+        stop_processes([self.proc])
+        self.log = self.proc.stderr.read()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def declared(store):
+    """The jobs the store has (none while it does not exist yet)."""
+    done = anarchon("--db", store, "status", "--json")
+    return {job["name"] for job in json.loads(done.stdout)["jobs"]} if done.returncode == 0 else set()
+
+
+def records(store, job):
+    return json.loads(cli(store, "history", "--json", "--job", job).stdout)
+
+
+@pytest.fixture
+def app(store, tmp_path):
+    """A scheduler process running the jobs of ``webapp.py`` on the test's store."""
+    with open(tmp_path / "app.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, APP, store], stdout=log, stderr=log, env=ENV)
+    try:
+        wait_until(lambda: declared(store) >= {"tick", "work", "fail", "evil"}, what="the app's jobs")
+        yield store
+    finally:
+        stop_processes([proc])
+
+
+@pytest.fixture
+def web(app):
+    page = Web(app)
+    try:
+        yield page
+    finally:
+        page.close()
+
+
+def ended(store, job):
+    return [r for r in records(store, job) if r["status"] != "running"]
+
+
+# -- over HTTP ----------------------------------------------------------------------------------
+
+
+def test_the_pages_show_every_job_and_run_and_stored_markup_only_as_text(web, app):
+    for job in ("fail", "evil"):
+        cli(app, "trigger", job)
+    wait_until(lambda: ended(app, "fail") and ended(app, "evil"), what="the triggered runs' ends")
+    jobs = web.get("/")
+    for job in ("tick", "work", "fail", "evil"):
+        assert f'data-job="{job}"' in jobs
+    evil = web.get("/job/evil")
+    assert EVIL not in evil and "&lt;script&gt;document.title=&#x27;pwned&#x27;&lt;/script&gt;" in evil
+    assert "the disk &lt;b&gt;is&lt;/b&gt; full" in web.get("/job/fail")
+    assert re.search(r"<rect [^>]*>\s*<title>fail: failed, attempt 1", web.get("/timeline"))
+    assert "webapp" in web.get("/processes")
+    # the same data as JSON, in the shapes of the command line's
+    status = json.loads(web.get("/api/status"))
+    command = json.loads(cli(app, "status", "--json").stdout)
+    assert [j["name"] for j in status["jobs"]] == [j["name"] for j in command["jobs"]]
+    assert set(status["jobs"][0]) == set(command["jobs"][0])
+    assert status["processes"] == command["processes"]
+    assert json.loads(web.get("/api/history?job=fail")) == records(app, "fail")
+    assert any(s["job"] == "fail" and s["status"] == "failed" for s in json.loads(web.get("/api/timeline?span=1d")))
+
+
+def test_bad_paths_methods_and_queries_get_one_line_never_a_traceback(web):
+    for path, method, expected in (
+        ("/nothing", "GET", 404),
+        ("/job/no-such-job", "GET", 404),
+        ("/job/a/b/c", "GET", 404),
+        ("/api/nothing", "GET", 404),
+        ("/", "DELETE", 405),
+        ("/", "POST", 405),
+        ("/?page=0", "GET", 400),
+        ("/?page=x", "GET", 400),
+        ("/timeline?span=1y", "GET", 400),
+        ("/api/history?limit=-1", "GET", 400),
+        ("/job/tick/pause", "POST", 403),  # (read-only: no control)
+    ):
+        status, headers, text = web.request(path, method=method)
+        assert status == expected, (path, method, status, text)
+        assert "Traceback" not in text and len(text) < 300, text
+        assert "'none'" in headers["Content-Security-Policy"]
+    assert web.proc.poll() is None
+    assert '"paused":true' not in web.get("/api/status")  # (the refused POST changed nothing)
+
+
+@pytest.mark.sqlite_only  # (who may open the page: the store is not asked)
+def test_an_address_off_loopback_needs_a_token_and_every_request_then_carries_it(tmp_path):
+    db = str(tmp_path / "jobs.db")
+    app = subprocess.Popen([sys.executable, APP, db], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        wait_until(lambda: "tick" in declared(db), what="the app's jobs")
+        refused = anarchon("--db", db, "web", "--listen", "0.0.0.0:0")
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert refused.stderr.count("\n") == 1 and "needs a token" in refused.stderr, refused.stderr
+        assert "needs a token" in anarchon("--db", db, "web", "--control").stderr
+        page = Web(db, "--control", env={"ANARCHON_WEB_TOKEN": TOKEN})
+        try:
+            status, _, text = page.request("/")
+            assert status == 401 and "token" in text
+            assert page.request("/api/status", headers={"Authorization": "Bearer wrong-token-0123456789"})[0] == 401
+            assert page.request("/api/status", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
+            status, headers, _ = page.request(f"/job/tick?token={TOKEN}")
+            assert status == 303 and headers["Location"] == "/job/tick"  # (the token leaves the address)
+            cookie = headers["Set-Cookie"].split(";")[0]
+            assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+            assert page.request("/job/tick", headers={"Cookie": cookie})[0] == 200
+        finally:
+            page.close()
+    finally:
+        stop_processes([app])
+
+
+def test_control_needs_the_token_and_the_forms_token_and_is_logged(app):
+    page = Web(app, "--control", env={"ANARCHON_WEB_TOKEN": TOKEN})
+    try:
+        cookie = {"Cookie": f"anarchon_token={TOKEN}", "Content-Type": "application/x-www-form-urlencoded"}
+        text = page.get("/job/tick", headers=cookie)
+        csrf = re.search(r'name=csrf value="([0-9a-f]+)"', text).group(1)
+        assert page.request("/job/tick/pause", "POST", body="csrf=0", headers=cookie)[0] == 403
+        assert page.request("/job/tick/pause", "POST", body=f"csrf={csrf}")[0] == 401  # (no token)
+        assert not next(j for j in json.loads(cli(app, "status", "--json").stdout)["jobs"] if j["name"] == "tick")[
+            "paused"
+        ]
+        status, headers, _ = page.request("/job/tick/pause", "POST", body=f"csrf={csrf}", headers=cookie)
+        assert status == 303 and headers["Location"] == "/job/tick"
+        assert next(j for j in json.loads(cli(app, "status", "--json").stdout)["jobs"] if j["name"] == "tick")["paused"]
+        status, _, _ = page.request("/job/work/trigger", "POST", body=f"csrf={csrf}", headers=cookie)
+        assert status == 303
+        wait_until(lambda: records(app, "work"), what="the triggered run")
+    finally:
+        page.close()
+    assert "status page: pause tick, asked from 127.0.0.1" in page.log
+
+
+def test_a_password_in_the_url_never_shows(pg_server, tmp_path):
+    url = pg_server.url(schema=f"w{os.getpid()}")
+    parts = urllib.parse.urlsplit(url)
+    secret = urllib.parse.urlunsplit(
+        parts._replace(netloc=f"{parts.username}:hunter2secret@{parts.hostname}:{parts.port}")
+    )
+    app = subprocess.Popen([sys.executable, APP, secret], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        wait_until(lambda: "tick" in declared(url), what="the app's jobs")
+        page = Web(secret)
+        try:
+            assert "hunter2secret" not in page.get("/") and "***" in page.get("/")
+            assert all("hunter2secret" not in page.get(path) for path in ("/timeline", "/running", "/api/status"))
+        finally:
+            page.close()
+    finally:
+        stop_processes([app])

@@ -1,0 +1,45 @@
+"""A scheduler process for the status page's tests: ``python webapp.py DB``.
+
+Jobs: ``tick`` every second (a steady stream of runs), and three that run only when triggered
+(``QUIET``: their own occurrence is hours away): ``work`` reports its progress in 40 steps of
+0.2 s, ``fail`` raises an error with markup in it, ``evil`` returns markup that would run a
+script if a page let it."""
+
+import asyncio
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conftest import QUIET  # (this folder is on the path: the script's own)
+
+from anarchon_lite import Scheduler
+
+EVIL = "<script>document.title='pwned'</script><img src=x onerror=\"document.title='pwned'\">"
+scheduler = Scheduler(sys.argv[1], instance="webapp")
+
+
+@scheduler.every("tick", "1s")
+async def tick(ctx):
+    return "ok"
+
+
+@scheduler.every("work", "24h", offset=QUIET)
+async def work(ctx):
+    for step in range(40):
+        ctx.progress(step, 40)
+        await ctx.signal.sleep(0.2)
+    return "done"
+
+
+@scheduler.every("fail", "24h", offset=QUIET)
+def fail(ctx):
+    raise ValueError("the disk <b>is</b> full")
+
+
+@scheduler.every("evil", "24h", offset=QUIET)
+def evil(ctx):
+    return EVIL
+
+
+asyncio.run(scheduler.run())
