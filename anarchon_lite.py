@@ -7422,14 +7422,15 @@ _WEB_SCRIPT = """
 (function(){
 function when(t){var d=new Date(t.getAttribute('datetime'));if(!isNaN(d)){t.title=t.textContent;t.textContent=d.toLocaleString();}}
 function times(root){root.querySelectorAll('time[datetime]').forEach(when);}
-times(document);
-document.querySelectorAll('svg text[data-t]').forEach(function(e){var d=new Date(+e.getAttribute('data-t'));
- e.textContent=e.getAttribute('data-day')?d.toLocaleDateString()+' '+d.toLocaleTimeString([], {hour:'2-digit',minute:'2-digit'}):d.toLocaleTimeString([], {hour:'2-digit',minute:'2-digit'});});
+function axis(root){root.querySelectorAll('svg text[data-t]').forEach(function(e){var d=new Date(+e.getAttribute('data-t'));
+ var hm=d.toLocaleTimeString([],{hour:'2-digit',minute:'2-digit'});e.textContent=e.getAttribute('data-day')?d.toLocaleDateString()+' '+hm:hm;});}
+times(document);axis(document);
 if(!window.EventSource)return;
 var colours=JSON.parse(document.body.getAttribute('data-colours'));
 function cell(tr,text,cls){var td=document.createElement('td');if(cls)td.className=cls;td.textContent=text;tr.appendChild(td);return td;}
 function status(td,s){td.textContent='';var b=document.createElement('span');b.className='s';b.textContent=s;b.style.background=colours[s]||'#555';td.appendChild(b);}
-function stamp(td,iso){if(!iso){td.textContent='-';return;}var t=document.createElement('time');t.setAttribute('datetime',iso);t.textContent=iso;td.textContent='';td.appendChild(t);when(t);}
+function stamp(td,iso){if(!iso){td.textContent='-';return;}var t=document.createElement('time');t.setAttribute('datetime',iso);
+ t.textContent=new Date(iso).toISOString().replace('T',' ').slice(0,19)+' UTC';td.textContent='';td.appendChild(t);when(t);}
 function progress(td,p){if(!p)return;var g=document.createElement('progress');if(p[1]){g.max=p[1];g.value=Math.min(p[0],p[1]);}td.appendChild(g);
  td.appendChild(document.createTextNode(' '+(p[1]?Math.round(100*Math.min(1,p[0]/p[1]))+'% ('+p[0]+'/'+p[1]+')':p[0]+' done')));}
 function running(rows){var body=document.getElementById('running');if(!body)return;var job=body.getAttribute('data-job');body.textContent='';
@@ -7442,13 +7443,16 @@ function recent(records){var body=document.getElementById('recent');var seen={};
  records.slice().reverse().forEach(function(r){if(job&&r.job!==job)return;var key=r.job+'/'+r.slot+'/'+r.attempt;var tr=document.createElement('tr');tr.setAttribute('data-key',key);
   cell(tr,r.job);stamp(cell(tr,''),r.scheduled_at);cell(tr,String(r.attempt));status(cell(tr,''),r.status);cell(tr,r.instance||'-');stamp(cell(tr,''),r.started_at);
   cell(tr,r.duration==null?'-':r.duration.toFixed(2)+'s');var e=cell(tr,'');if(r.error){var p=document.createElement('pre');p.textContent=r.error;e.appendChild(p);}
-  if(known[key]){body.replaceChild(tr,known[key]);}else{body.insertBefore(tr,body.firstChild);}});}
+  if(r.output){var d=document.createElement('details'),s=document.createElement('summary'),o=document.createElement('pre');
+   s.textContent='output';o.textContent=r.output;d.appendChild(s);d.appendChild(o);e.appendChild(d);}
+  tr.setAttribute('data-status',r.status);
+  if(known[key]){if(known[key].getAttribute('data-status')!==r.status)body.replaceChild(tr,known[key]);}else{body.insertBefore(tr,body.firstChild);}});}
 var source=new EventSource('/events');
 var live=document.getElementById('live');
 source.onopen=function(){if(live)live.textContent='live';};
 source.onerror=function(){if(live)live.textContent='reconnecting';};
 source.onmessage=function(m){var d=JSON.parse(m.data);running(d.running);recent(d.recent);
- var svg=document.getElementById('timeline');if(svg&&!svg.busy){svg.busy=1;fetch(location.pathname+location.search+(location.search?'&':'?')+'svg=1').then(function(r){return r.text();}).then(function(t){svg.innerHTML=t;svg.busy=0;times(svg);});}};
+ var svg=document.getElementById('timeline');if(svg&&!svg.busy){svg.busy=1;fetch(location.pathname+location.search+(location.search?'&':'?')+'svg=1').then(function(r){return r.text();}).then(function(t){svg.innerHTML=t;svg.busy=0;axis(svg);});}};
 })();
 """
 
@@ -7725,7 +7729,11 @@ class StatusPage:
 
     async def _live(self) -> bytes:
         running, recent = await asyncio.gather(self._running(), self.scheduler.history(None, 20))
-        shown = {"running": [_running_json(r) for r in running], "recent": [_web_record_json(r) for r in recent]}
+        # (without each run's age: what a page is told changes only when a run or a record does)
+        shown = {
+            "running": [{**_running_json(r), "age": None} for r in running],
+            "recent": [_web_record_json(r) for r in recent],
+        }
         return json.dumps(shown, separators=(",", ":")).encode()
 
     async def _events(self, writer: asyncio.StreamWriter) -> None:
@@ -8060,7 +8068,8 @@ def _records_table(records: list[RunRecord], job: str = "") -> str:
         error = f"<pre>{_html(r.error)}</pre>" if r.error else ""
         output = f"<details><summary>output</summary><pre>{_html(r.output[-1000:])}</pre></details>" if r.output else ""
         rows.append(
-            f'<tr data-key="{_html(r.job)}/{r.slot}/{r.attempt}"><td>{_html(r.job)}</td><td>{_web_time(r.scheduled_at)}</td>'
+            f'<tr data-key="{_html(r.job)}/{r.slot}/{r.attempt}" data-status="{_html(r.status)}"><td>{_html(r.job)}</td>'
+            f"<td>{_web_time(r.scheduled_at)}</td>"
             f"<td>{r.attempt}</td><td>{_web_status(r.status)}</td><td>{_html(r.instance or '-')}</td>"
             f"<td>{_web_time(r.started_at)}</td><td>{duration}</td><td>{error}{output}</td></tr>"
         )

@@ -159,22 +159,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "sqlite_only: the test checks what only the SQLite store has")
 
 
-# CI runs the PostgreSQL half of the suite on the oldest and newest Python only:
-# ``$ANARCHON_WITHOUT_POSTGRES`` deselects it (a deselected test is not a skip: it is not run here,
-# and runs in full in the other environments).
+# CI runs the PostgreSQL half of the suite and the browser tests on the oldest and newest Python
+# only: ``$ANARCHON_WITHOUT_POSTGRES`` and ``$ANARCHON_WITHOUT_BROWSER`` deselect them (a deselected
+# test is not a skip: it is not run here, and runs in full in the other environments).
 WITHOUT_POSTGRES = "ANARCHON_WITHOUT_POSTGRES"
+WITHOUT_BROWSER = "ANARCHON_WITHOUT_BROWSER"
 
 
 def pytest_collection_modifyitems(config, items):
-    if not os.environ.get(WITHOUT_POSTGRES):
+    without_postgres, without_browser = os.environ.get(WITHOUT_POSTGRES), os.environ.get(WITHOUT_BROWSER)
+    if not without_postgres and not without_browser:
         return
     kept, dropped = [], []
     for item in items:
-        needs = (
-            "pg_server" in getattr(item, "fixturenames", ())
-            or getattr(item, "callspec", None)
-            and (item.callspec.params.get("store") == "postgresql")
+        fixtures = getattr(item, "fixturenames", ())
+        postgres = "pg_server" in fixtures or (
+            getattr(item, "callspec", None) and item.callspec.params.get("store") == "postgresql"
         )
+        needs = (without_postgres and postgres) or (without_browser and "browser" in fixtures)
         (dropped if needs else kept).append(item)
     config.hook.pytest_deselected(items=dropped)
     items[:] = kept

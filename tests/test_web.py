@@ -218,3 +218,127 @@ def test_a_password_in_the_url_never_shows(pg_server, tmp_path):
             page.close()
     finally:
         stop_processes([app])
+
+
+# -- in a browser -------------------------------------------------------------------------------
+
+# CI sets this: there, a browser that cannot be had fails the browser tests instead of skipping them.
+REQUIRE_BROWSER = "ANARCHON_REQUIRE_BROWSER"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def browser_missing():
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not os.access(path, os.X_OK):
+            return f"no {path} (Debian's chromium and chromium-driver)"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "no selenium (pip install '.[test]')"
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Headless Chromium, driven by selenium; quit (with every process it started) at the end."""
+    reason = browser_missing()
+    if reason is not None:
+        if os.environ.get(REQUIRE_BROWSER):
+            pytest.fail(f"a browser is required (${REQUIRE_BROWSER}) but cannot be had: {reason}")
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1300,900"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shoot(browser, name):
+    """A screenshot of the page, kept where ``$ANARCHON_SCREENSHOTS`` says (docs/ has them)."""
+    folder = os.environ.get("ANARCHON_SCREENSHOTS")
+    if folder:
+        browser.save_screenshot(os.path.join(folder, f"status-page-{name}.png"))
+
+
+def progress_of(browser, job):
+    """The value of ``job``'s progress bar on the page now (None while it shows none)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        bars = browser.find_elements(By.CSS_SELECTOR, f"tr[data-run^='{job}/'] progress")
+        return float(bars[0].get_attribute("value")) if bars else None
+    except StaleElementReferenceException:  # (the rows are made anew at each change)
+        return None
+
+
+def test_in_a_browser_jobs_a_live_run_its_progress_an_error_and_markup_that_stays_text(browser, web, app):
+    from selenium.webdriver.common.by import By
+
+    cli(app, "trigger", "evil")
+    wait_until(lambda: ended(app, "evil"), what="the evil run's end")
+    browser.get(web.url)
+    names = {row.get_attribute("data-job") for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-job]")}
+    assert names == {"tick", "work", "fail", "evil"}
+    stamp = browser.find_element(By.CSS_SELECTOR, "tr[data-job='tick'] td.at time")
+    assert stamp.get_attribute("title").endswith("UTC")  # (shown in the viewer's zone, UTC on hover)
+    shoot(browser, "jobs")
+
+    # a run started after the page loaded appears, and its progress bar moves, without a reload
+    browser.get(web.url + "running")
+    wait_until(lambda: browser.find_element(By.ID, "live").text == "live", what="the page listening")
+    cli(app, "trigger", "work")
+    first = wait_until(lambda: progress_of(browser, "work"), what="the work run's progress bar")
+    wait_until(lambda: (progress_of(browser, "work") or 0) > first, what="the progress bar moving")
+    shoot(browser, "running")
+
+    # a failed run's error, arrived live, shows as the text it is
+    browser.get(web.url + "job/fail")
+    wait_until(lambda: browser.find_element(By.ID, "live").text == "live", what="the page listening")
+    cli(app, "trigger", "fail")
+    error = "the disk <b>is</b> full"
+    wait_until(lambda: error in browser.find_element(By.ID, "recent").text, what="the failed run's error")
+    assert browser.find_elements(By.CSS_SELECTOR, "#recent b") == []
+    shoot(browser, "job")
+
+    # a handler's output that is markup: text on the page, no script of it runs
+    browser.get(web.url + "job/evil")
+    output = browser.find_element(By.CSS_SELECTOR, "#recent details pre").get_attribute("textContent")
+    assert output.startswith(EVIL)
+    assert browser.title == "evil · anarchon_lite"
+    assert browser.find_elements(By.CSS_SELECTOR, "#recent script, #recent img") == []
+
+    browser.get(web.url + "timeline")
+    script = "return Array.from(document.querySelectorAll('#timeline rect title'), t => t.textContent)"
+    assert any(bar.startswith("tick:") for bar in browser.execute_script(script))  # (read at once: it is redrawn live)
+    shoot(browser, "timeline")
+    assert browser.title == "timeline · anarchon_lite"
+
+
+@pytest.mark.sqlite_only  # (who may press a button: the token is the page's, not the store's)
+def test_in_a_browser_control_needs_the_token(browser, app):
+    from selenium.webdriver.common.by import By
+
+    browser.delete_all_cookies()
+    page = Web(app, "--control", env={"ANARCHON_WEB_TOKEN": TOKEN})
+    try:
+        browser.get(page.url + "job/tick")
+        assert "needs its token" in browser.find_element(By.TAG_NAME, "body").text
+        assert browser.find_elements(By.TAG_NAME, "button") == []
+        browser.get(page.url + f"job/tick?token={TOKEN}")
+        assert browser.current_url == page.url + "job/tick"  # (the token went into a cookie)
+        shoot(browser, "control")
+        next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text == "pause").click()
+        wait_until(lambda: "paused" in browser.find_element(By.TAG_NAME, "table").text, what="the job paused")
+        assert next(j for j in json.loads(cli(app, "status", "--json").stdout)["jobs"] if j["name"] == "tick")["paused"]
+    finally:
+        browser.delete_all_cookies()
+        page.close()
+    assert "status page: pause tick, asked from 127.0.0.1" in page.log

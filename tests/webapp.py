@@ -1,8 +1,8 @@
 """A scheduler process for the status page's tests: ``python webapp.py DB``.
 
 Jobs: ``tick`` every second (a steady stream of runs), and three that run only when triggered
-(``QUIET``: their own occurrence is hours away): ``work`` reports its progress in 40 steps of
-0.2 s, ``fail`` raises an error with markup in it, ``evil`` returns markup that would run a
+(``QUIET``: their own occurrence is hours away): ``work`` reports its progress in 60 steps of
+0.25 s (it travels with the heartbeats: a lease of 3 s renews about every second), ``fail`` raises an error with markup in it, ``evil`` returns markup that would run a
 script if a page let it."""
 
 import asyncio
@@ -24,11 +24,11 @@ async def tick(ctx):
     return "ok"
 
 
-@scheduler.every("work", "24h", offset=QUIET)
+@scheduler.every("work", "24h", offset=QUIET, lease="3s")
 async def work(ctx):
-    for step in range(40):
-        ctx.progress(step, 40)
-        await ctx.signal.sleep(0.2)
+    for step in range(60):
+        ctx.progress(step, 60)
+        await ctx.signal.sleep(0.25)
     return "done"
 
 
