@@ -1319,9 +1319,9 @@ class _Store(abc.ABC):
         """The newest ``limit`` records (of ``job``, or of every job), newest first."""
 
     @abc.abstractmethod
-    def timeline(self, since_ms: int, until_ms: int, part_ms: int) -> list[_Stretch]:
-        """The records from ``since_ms`` to ``until_ms``, each job's records of one status in each
-        ``part_ms`` merged into one stretch; by job, then time."""
+    def timeline(self, jobs: Sequence[str], since_ms: int, until_ms: int, part_ms: int) -> list[_Stretch]:
+        """The records of ``jobs`` from ``since_ms`` to ``until_ms``, each job's records of one
+        status in each ``part_ms`` merged into one stretch; by job, then time."""
 
     @abc.abstractmethod
     def figures(self) -> list[_JobFigures]:
@@ -1597,7 +1597,7 @@ _SQL_JOB_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? OR
 _SQL_TIMELINE = (
     "SELECT job, status, (COALESCE(started_at, slot) - ?) / ? AS piece, count(*), "
     "min(COALESCE(started_at, slot)), max(COALESCE(finished_at, started_at, slot)), max(attempt), min(instance) "
-    "FROM history WHERE slot >= ? AND slot < ? AND COALESCE(finished_at, started_at, slot) >= ? "
+    "FROM history WHERE job IN ({jobs}) AND slot >= ? AND slot < ? AND COALESCE(finished_at, started_at, slot) >= ? "
     "GROUP BY job, status, piece ORDER BY job, piece"
 )
 # How many records of each status pruning has deleted, per job (the history keeps the rest).
@@ -2004,9 +2004,12 @@ class _SQLStore(_Store):
             for r in (self._read(_SQL_HISTORY, (limit,)) if job is None else self._read(_SQL_JOB_HISTORY, (job, limit)))
         ]
 
-    def timeline(self, since_ms: int, until_ms: int, part_ms: int) -> list[_Stretch]:
-        args = (since_ms, max(1, part_ms), since_ms - 86_400_000, until_ms, since_ms)
-        return [_Stretch(*row[:2], *row[3:]) for row in self._read(_SQL_TIMELINE, args)]
+    def timeline(self, jobs: Sequence[str], since_ms: int, until_ms: int, part_ms: int) -> list[_Stretch]:
+        if not jobs:
+            return []
+        sql = _SQL_TIMELINE.format(jobs=", ".join("?" * len(jobs)))
+        args = (since_ms, max(1, part_ms), *jobs, since_ms - 86_400_000, until_ms, since_ms)
+        return [_Stretch(*row[:2], *row[3:]) for row in self._read(sql, args)]
 
     def figures(self) -> list[_JobFigures]:
         names = sorted(row[0] for row in self._read(_SQL_JOB_NAMES))
@@ -7801,8 +7804,8 @@ class StatusPage:
             data = [_running_json(r) for r in await self._running()]
         elif what == "timeline":
             since, until, span = self._span(request)
-            stretches = await self._stretches(since, until, span)
-            data = [s._asdict() for s in stretches]
+            names, _, _ = await self._timeline_jobs(request)
+            data = [s._asdict() for s in await self._stretches(names, since, until, span)]
         else:
             return self._problem(404, "no such page")
         return _WebReply(200, json.dumps(data, separators=(",", ":")).encode(), "application/json")
@@ -7820,9 +7823,19 @@ class StatusPage:
         until = _ms(time.time())
         return until - _WEB_SPANS[span], until, span
 
-    async def _stretches(self, since: int, until: int, span: str) -> list[_Stretch]:
+    async def _stretches(self, jobs: list[str], since: int, until: int, span: str) -> list[_Stretch]:
         part = _WEB_SPANS[span] // (_WEB_WIDTH // 2)
-        return await self.scheduler._link.call(lambda store: store.timeline(since, until, part))
+        return await self.scheduler._link.call(lambda store: store.timeline(jobs, since, until, part))
+
+    async def _timeline_jobs(self, request: _WebRequest) -> tuple[list[str], int, int]:
+        """The jobs a timeline shows (``?job=NAME``: that one; else a page of 50), its page and pages."""
+        names = [job.name for job in await self._jobs()]
+        if "job" in request.query:
+            if request.query["job"] not in names:
+                raise ConfigError("no such job in the store", job=request.query["job"])
+            return [request.query["job"]], 0, 1
+        number, pages = self._page_number(request, len(names), 50)
+        return names[number * 50 : (number + 1) * 50], number, pages
 
     # -- pages ------------------------------------------------------------------------------------
 
@@ -7910,17 +7923,18 @@ class StatusPage:
         return f"<p class=pages>page {number + 1} of {pages} {''.join(links)}</p>"
 
     async def _timeline_page(self, request: _WebRequest) -> _WebReply:
+        import urllib.parse
+
         since, until, span = self._span(request)
-        stretches, jobs, running = await asyncio.gather(
-            self._stretches(since, until, span), self._jobs(), self._running()
-        )
-        names = [job.name for job in jobs]
-        number, pages = self._page_number(request, len(names), 50)
-        svg = _timeline_svg(names[number * 50 : (number + 1) * 50], stretches, running, since, until)
+        names, number, pages = await self._timeline_jobs(request)
+        stretches, running = await asyncio.gather(self._stretches(names, since, until, span), self._running())
+        svg = _timeline_svg(names, stretches, running, since, until)
         if request.query.get("svg"):
             return _WebReply(200, svg.encode(), "image/svg+xml")
         choices = " ".join(
-            f'<a href="/timeline?span={name}"{" class=on" if name == span else ""}>{name}</a>' for name in _WEB_SPANS
+            f'<a href="/timeline?{_html(urllib.parse.urlencode({**request.query, "span": name}))}"'
+            f"{' class=on' if name == span else ''}>{name}</a>"
+            for name in _WEB_SPANS
         )
         legend = " ".join(
             f'<span class=mark style="background:{colour}"></span>{name}' for name, colour in _WEB_COLOURS.items()
@@ -7963,12 +7977,17 @@ class StatusPage:
         records, running = await asyncio.gather(self.scheduler.history(name, 1000), self._running())
         number, pages = self._page_number(request, len(records), 100)
         upcoming = _web_upcoming(job)
+        spans = " ".join(
+            f'<a href="/timeline?{_html(urllib.parse.urlencode({"job": name, "span": span}))}">{span}</a>'
+            for span in _WEB_SPANS
+        )
         facts = (
             f"<table><tr><th>schedule</th><td>{_html(job.schedule)}</td></tr>"
             f"<tr><th>state</th><td>{_html(job.state)}</td></tr>"
             f"<tr><th>next</th><td>{'<br>'.join(_web_time(t) for t in upcoming) or '-'}</td></tr>"
             f"<tr><th>declared by</th><td>{_html(job.declared_by or '-')}</td></tr>"
-            f"<tr><th>declared as</th><td>{_html(job.definition or '-')}</td></tr></table>"
+            f"<tr><th>declared as</th><td>{_html(job.definition or '-')}</td></tr>"
+            f"<tr><th>timeline</th><td>{spans}</td></tr></table>"
         )
         buttons = ""
         if self._control:

@@ -342,3 +342,48 @@ def test_in_a_browser_control_needs_the_token(browser, app):
         browser.delete_all_cookies()
         page.close()
     assert "status page: pause tick, asked from 127.0.0.1" in page.log
+
+
+def test_the_page_lives_in_a_running_scheduler_as_well(store):
+    """``StatusPage`` on the event loop of a running scheduler: its pages, and its live events."""
+    import asyncio
+
+    from conftest import QUIET, run, wait_for
+
+    from anarchon_lite import Scheduler, StatusPage
+
+    def fetch(url):
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        try:
+            conn.request("GET", parts.path)
+            reply = conn.getresponse()
+            if reply.getheader("Content-Type") == "text/event-stream":
+                told = b""
+                while b"data: " not in told or not told.endswith(b"\n\n"):
+                    told += reply.read1(65536)
+                return told.decode()
+            return reply.read().decode()
+        finally:
+            conn.close()
+
+    async def main():
+        scheduler = Scheduler(store)
+        scheduler.every("hello", "24h", lambda ctx: "hi <there>", offset=QUIET)
+        loop = asyncio.get_running_loop()
+        async with scheduler:
+            await scheduler.trigger("hello")
+            await wait_for(lambda: ended_in(scheduler), message="the triggered run's end")
+            async with StatusPage(scheduler, "127.0.0.1:0") as page:
+                text = await loop.run_in_executor(None, fetch, page.url + "job/hello")
+                assert "succeeded" in text and "hi &lt;there&gt;" in text
+                told = await loop.run_in_executor(None, fetch, page.url + "events")
+                event = json.loads(told.split("data: ", 1)[1].split("\n\n")[0])
+                assert [(r["job"], r["status"], r["output"]) for r in event["recent"]] == [
+                    ("hello", "succeeded", "hi <there>")
+                ]
+
+    async def ended_in(scheduler):
+        return [r for r in await scheduler.history("hello") if r.status == "succeeded"]
+
+    run(main())
