@@ -7557,6 +7557,7 @@ class StatusPage:
         self._listeners: set[asyncio.Queue[bytes]] = set()  #: the pages listening for changes
         self._watch: asyncio.Task[None] | None = None  #: what looks for changes while a page listens
         self._status: tuple[float, list[JobStatus]] | None = None  #: the newest status, and when it was read
+        self._answering: set[asyncio.Task[Any]] = set()  #: the connections being answered
 
     @property
     def url(self) -> str:
@@ -7573,10 +7574,16 @@ class StatusPage:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
             self._watch = None
-        for queue in self._listeners:
-            queue.put_nowait(b"")
         if self._server is not None:
             self._server.close()
+        for queue in self._listeners:  # (each listening page's answer ends)
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(b"")
+        if self._answering:  # (ended here, not cancelled when the loop closes: that would be logged)
+            _, late = await asyncio.wait(self._answering, timeout=5.0)
+            for task in late:
+                task.cancel()
+        if self._server is not None:
             await self._server.wait_closed()
             self._server = None
 
@@ -7599,6 +7606,10 @@ class StatusPage:
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        task = asyncio.current_task()
+        if task is not None:
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
         try:
             request = await self._read(reader, str(peer[0]) if peer else "?")
             if request is None:

@@ -3,9 +3,10 @@
 Measures heartbeat lateness under seven kinds of load, takeover after ``kill -9`` and hand-over
 after SIGTERM, how late runs start, the cost of an idle scheduler, the bytes written to storage per
 occurrence and per renewal (SQLite), import time and idle memory, and the same small workloads on
-APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean|pgcost`` measures one section
+APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean|pgcost|web`` measures one section
 (``pgcost``, with ``--store postgresql`` only: the server's and the schedulers' CPU with 1,000 runs
-running, a busy load of 1,000 jobs on four processes, and an idle process watching another's run). Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
+running, a busy load of 1,000 jobs on four processes, and an idle process watching another's run;
+``web``: the status page over 10,000 jobs and 1,000,000 records, and 50 pages listening live). Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
 With ``--store postgresql`` every scheduler shares a throwaway PostgreSQL server (tests/pgserver.py,
 or ``$ANARCHON_TEST_POSTGRES``) instead of an SQLite file, and the takeover of an owner whose
 connections freeze (a partition, through tests/tcpproxy.py) is measured too.
@@ -467,7 +468,7 @@ def main() -> int:
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument(
-        "--only", choices=("takeover", "scale", "disk", "lean", "pgcost"), help="measure only this section"
+        "--only", choices=("takeover", "scale", "disk", "lean", "pgcost", "web"), help="measure only this section"
     )
     args = parser.parse_args()
     if args.store == "postgresql":
@@ -492,6 +493,33 @@ def takeovers_section(quick: bool) -> dict[str, Any]:
         section["frozen_connection_s"] = frozen_takeover(3 if quick else 5)
     print("takeover: done", flush=True)
     return section
+
+
+def web(quick: bool) -> dict[str, Any]:
+    """The status page (``_web.py``): each page's answer over 10,000 jobs and 1,000,000 records, a
+    day's timeline of a job every second; the page's process's CPU and memory with 50 pages
+    listening live to a scheduler running a job every second. On SQLite."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = subprocess.run(
+            [sys.executable, os.path.join(HERE, "_web.py"), folder, "10" if quick else "60"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        ).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def report_web(section: dict[str, Any]) -> None:
+    print(f"\nstatus page, {section['jobs']:,} jobs and {section['records']:,} records")
+    for name, figures in section["pages"].items():
+        print(f"  {name:<48} p50 {figures['p50_ms']:7.1f} ms   p99 {figures['p99_ms']:7.1f} ms")
+    for name, figures in section["live"].items():
+        print(
+            f"  {name} listening for {section['seconds']:g} s: {figures['cpu_share_of_a_core']:.1%} of a core, "
+            f"{figures['rss_mb']:.1f} MB resident, {figures['bytes_told_per_page_per_s']:.0f} bytes a page a second"
+        )
 
 
 def _scale_run(*args: str, timeout: float = 600.0) -> dict[str, Any]:
@@ -821,6 +849,9 @@ def measure(args: argparse.Namespace) -> int:
         elif args.only == "pgcost":
             results["pgcost"] = pgcost(quick)
             report_pgcost(results["pgcost"])
+        elif args.only == "web":
+            results["web"] = web(quick)
+            report_web(results["web"])
         else:
             results["scale"] = scale(quick, peers=not args.no_peers)
             report_scale(results["scale"])
