@@ -8013,10 +8013,17 @@ class StatusPage:
                 + "</p>"
             )
         mine = [r for r in running if r.job == name]
+        saved = [(r.slot, await self.scheduler.checkpoints.get(name, r.slot)) for r in mine]
+        checkpoints = "".join(
+            f"<tr><th>{_web_time(_utc_from_ms(slot))}</th><td><pre>{_html(json.dumps(value))}</pre></td></tr>"
+            for slot, value in saved
+            if value is not None
+        )
         shown = records[number * 100 : (number + 1) * 100]
         body = (
             f"<h2>{_html(name)}</h2>{buttons}{facts}<h3>running and waiting</h3>{_running_table(mine, name)}"
-            f"<h3>history ({len(records)} record{'' if len(records) == 1 else 's'})</h3>{_records_table(shown, name)}"
+            + (f"<h3>checkpoints of the unfinished runs</h3><table>{checkpoints}</table>" if checkpoints else "")
+            + f"<h3>history ({len(records)} record{'' if len(records) == 1 else 's'})</h3>{_records_table(shown, name)}"
             f"{self._pager(request.path, number, pages, request)}"
         )
         return self._page(name, "", body)

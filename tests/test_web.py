@@ -120,6 +120,8 @@ def test_the_pages_show_every_job_and_run_and_stored_markup_only_as_text(web, ap
     assert "the disk &lt;b&gt;is&lt;/b&gt; full" in web.get("/job/fail")
     assert re.search(r"<rect [^>]*>\s*<title>fail: failed, attempt 1", web.get("/timeline"))
     assert "webapp" in web.get("/processes")
+    cli(app, "trigger", "work")  # (a run's checkpoint, on its job's page while it runs)
+    wait_until(lambda: re.search(r"checkpoints of the unfinished runs.*{&quot;step&quot;: \d+}", web.get("/job/work")))
     # the same data as JSON, in the shapes of the command line's
     status = json.loads(web.get("/api/status"))
     command = json.loads(cli(app, "status", "--json").stdout)

@@ -2,7 +2,8 @@
 
 Jobs: ``tick`` every second (a steady stream of runs), and three that run only when triggered
 (``QUIET``: their own occurrence is hours away): ``work`` reports its progress in 60 steps of
-0.25 s (it travels with the heartbeats: a lease of 3 s renews about every second), ``fail`` raises an error with markup in it, ``evil`` returns markup that would run a
+0.25 s (it travels with the heartbeats: a lease of 3 s renews about every second) and saves
+each step as its checkpoint, ``fail`` raises an error with markup in it, ``evil`` returns markup that would run a
 script if a page let it."""
 
 import asyncio
@@ -28,6 +29,7 @@ async def tick(ctx):
 async def work(ctx):
     for step in range(60):
         ctx.progress(step, 60)
+        await ctx.checkpoint.set({"step": step})
         await ctx.signal.sleep(0.25)
     return "done"
 
