@@ -7394,7 +7394,9 @@ _WEB_JOBS_A_PAGE = 100
 _WEB_SPANS = {"1h": 3_600_000, "1d": 86_400_000, "1w": 604_800_000}  # the timeline's stretches (ms)
 _WEB_WIDTH = 840  # the timeline's drawing, in pixels (after the names' column)
 _WEB_LIVE = 0.5  # seconds between two looks for a change, while a page listens
-_WEB_COOKIE = "anarchon_token"
+_WEB_COOKIE = "anarchon_session"  # (its value is made from the token: the token itself never leaves)
+_WEB_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{16,}")  # (what a cookie, a header and a URL carry as it is)
+_WEB_NUMBER = re.compile(r"[0-9]{1,9}")
 _WEB_ACTIONS = ("trigger", "pause", "resume", "cancel")
 _WEB_COLOURS = {
     "succeeded": "#2e9e4f",
@@ -7454,8 +7456,11 @@ var source=new EventSource('/events');
 var live=document.getElementById('live');
 source.onopen=function(){if(live)live.textContent='live';};
 source.onerror=function(){if(live)live.textContent='reconnecting';};
+var drawn=Date.now();
 source.onmessage=function(m){var d=JSON.parse(m.data);running(d.running);recent(d.recent);
- var svg=document.getElementById('timeline');if(svg&&!svg.busy){svg.busy=1;fetch(location.pathname+location.search+(location.search?'&':'?')+'svg=1').then(function(r){return r.text();}).then(function(t){svg.innerHTML=t;svg.busy=0;axis(svg);});}};
+ var svg=document.getElementById('timeline');if(!svg||svg.busy||Date.now()-drawn<5000)return;svg.busy=1;drawn=Date.now();
+ fetch(location.pathname+location.search+(location.search?'&':'?')+'svg=1').then(function(r){return r.ok?r.text():null;})
+ .then(function(t){if(t){svg.innerHTML=t;axis(svg);}svg.busy=0;},function(){svg.busy=0;});};
 })();
 """
 
@@ -7506,7 +7511,8 @@ def _shown_store(path: str) -> str:
 
 class _WebRequest(NamedTuple):
     method: str
-    path: str  # decoded, without the query
+    path: str  # as sent (percent-encoded), without the query
+    parts: tuple[str, ...]  # the path's segments, each decoded (a job's name may hold a "/")
     query: dict[str, str]
     headers: dict[str, str]  # names in lower case
     body: bytes
@@ -7540,8 +7546,11 @@ class StatusPage:
         self, scheduler: Scheduler, listen: str = "127.0.0.1:8080", *, token: str | None = None, control: bool = False
     ):
         self.host, self.port = _listen_address(listen)
-        if token is not None and (len(token) < 16 or not token.isprintable() or " " in token):
-            raise ConfigError("a token must be at least 16 printable characters, without spaces", option="token")
+        if token is not None and not _WEB_TOKEN.fullmatch(token):
+            raise ConfigError(
+                "a token must be at least 16 characters of letters, digits and ._~+/=- (openssl rand -hex 16)",
+                option="token",
+            )
         if token is None and not _loopback(self.host):
             raise ConfigError(
                 f"{self.host} is not a loopback address: a page that others can reach needs a token "
@@ -7558,6 +7567,7 @@ class StatusPage:
         self._watch: asyncio.Task[None] | None = None  #: what looks for changes while a page listens
         self._status: tuple[float, list[JobStatus]] | None = None  #: the newest status, and when it was read
         self._answering: set[asyncio.Task[Any]] = set()  #: the connections being answered
+        self._drawn: dict[str, tuple[float, str]] = {}  #: timelines drawn lately, by their query
 
     @property
     def url(self) -> str:
@@ -7610,23 +7620,34 @@ class StatusPage:
         if task is not None:
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
+        answered = False
         try:
-            request = await self._read(reader, str(peer[0]) if peer else "?")
+            try:
+                request = await self._read(reader, str(peer[0]) if peer else "?")
+            except (asyncio.LimitOverrunError, ValueError):
+                request = None
             if request is None:
+                self._write(writer, self._problem(400, "not an HTTP request this page understands"))
                 return
-            if request.path == "/events" and request.method == "GET" and self._allowed(request):
-                await self._events(writer)
+            if request.parts == ("events",) and request.method == "GET" and self._allowed(request) is None:
+                answered = True
+                await self._events(reader, writer)
                 return
             try:
                 reply = await self._answer(request)
+            except JobNotFound as exc:
+                reply = self._problem(404, str(exc))
             except AnarchonError as exc:
                 reply = self._problem(503 if isinstance(exc, StoreError) else 400, str(exc))
+            answered = True
             self._write(writer, reply, head_only=request.method == "HEAD")
             await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             pass
         except Exception:  # noqa: BLE001 - a bug of this page must not end the process it lives in
             _log.exception("status page: answering a request failed")
+            if not answered:
+                self._write(writer, self._problem(500, "this page failed: its log says why"))
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -7651,8 +7672,9 @@ class StatusPage:
             body = await asyncio.wait_for(reader.readexactly(int(length)), 10)
         target = urllib.parse.urlsplit(parts[1])
         query = dict(urllib.parse.parse_qsl(target.query, errors="replace"))
-        path = urllib.parse.unquote(target.path, errors="replace")
-        return _WebRequest(parts[0], path, query, headers, body, peer)
+        path = target.path if target.path.startswith("/") else "/"
+        segments = tuple(urllib.parse.unquote(part, errors="replace") for part in path.strip("/").split("/"))
+        return _WebRequest(parts[0], path, segments, query, headers, body, peer)
 
     def _write(self, writer: asyncio.StreamWriter, reply: _WebReply, head_only: bool = False) -> None:
         lines = [
@@ -7667,47 +7689,59 @@ class StatusPage:
             f"Content-Security-Policy: {_WEB_POLICY.format(nonce=reply.nonce or 'none')}",
             *(f"{name}: {value}" for name, value in reply.headers),
         ]
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head_only else reply.body))
+        head = "\r\n".join(lines) + "\r\n\r\n"  # (every value made here is ASCII: see _local)
+        writer.write(head.encode("ascii", "replace") + (b"" if head_only else reply.body))
 
-    def _allowed(self, request: _WebRequest) -> bool:
-        """Whether the request carries the token (always, without one)."""
+    def _allowed(self, request: _WebRequest) -> _WebReply | None:
+        """None if the request may be answered; else the refusal. With a token, it must carry the
+        token (``?token=``, ``Authorization: Bearer``) or the session made of it (the cookie).
+        Without one, the page answers only to a loopback name: a page of another site that a name
+        of its own points at 127.0.0.1 (DNS rebinding) is refused."""
         import hmac
 
         if self._token is None:
-            return True
-        given = [request.query.get("token", "")]
-        given.append(request.headers.get("authorization", "").removeprefix("Bearer "))
+            host = request.headers.get("host", "localhost").rpartition(":")[0] or request.headers.get("host", "")
+            if host.strip("[]") and not _loopback(host.strip("[]")):
+                return self._problem(403, "this page answers only to a loopback address (a token lets other names in)")
+            return None
+        given = [request.query.get("token", ""), request.headers.get("authorization", "").removeprefix("Bearer ")]
+        if any(hmac.compare_digest(value.encode(), self._token.encode()) for value in given if value):
+            return None
         for part in request.headers.get("cookie", "").split(";"):
             name, _, value = part.strip().partition("=")
-            if name == _WEB_COOKIE:
-                given.append(value)
-        return any(hmac.compare_digest(value.encode(), self._token.encode()) for value in given if value)
+            if name == _WEB_COOKIE and hmac.compare_digest(value.encode(), self._secret(b"session").encode()):
+                return None
+        return self._problem(401, "this page needs its token: open it as /?token=TOKEN once")
 
-    def _csrf(self) -> str:
+    def _secret(self, purpose: bytes) -> str:
+        """A value made of the token for one purpose (the session cookie, the forms)."""
         import hmac
 
         assert self._token is not None
-        return hmac.new(self._token.encode(), b"anarchon_lite status page form", hashlib.sha256).hexdigest()
+        return hmac.new(self._token.encode(), b"anarchon_lite status page " + purpose, hashlib.sha256).hexdigest()
+
+    def _csrf(self) -> str:
+        return self._secret(b"form")
 
     def _problem(self, status: int, text: str, headers: tuple[tuple[str, str], ...] = ()) -> _WebReply:
         page = f"<!doctype html><meta charset=utf-8><title>{status}</title><p>{_html(text)}</p>"
         return _WebReply(status, page.encode(), headers=headers)
 
     async def _answer(self, request: _WebRequest) -> _WebReply:
-        if not self._allowed(request):
-            return self._problem(401, "this page needs its token: open it as /?token=TOKEN once")
-        if "token" in request.query and request.method in ("GET", "HEAD"):  # kept in a cookie, out of the address
+        refused = self._allowed(request)
+        if refused is not None:
+            return refused
+        if "token" in request.query and request.method in ("GET", "HEAD"):  # a session cookie, out of the address
             import urllib.parse
 
             rest = urllib.parse.urlencode({k: v for k, v in request.query.items() if k != "token"})
-            cookie = f"{_WEB_COOKIE}={self._token}; HttpOnly; SameSite=Strict; Path=/"
-            return _WebReply(
-                303, b"", headers=(("Location", request.path + (f"?{rest}" if rest else "")), ("Set-Cookie", cookie))
-            )
-        parts = request.path.strip("/").split("/")
+            cookie = f"{_WEB_COOKIE}={self._secret(b'session')}; HttpOnly; SameSite=Strict; Path=/"
+            location = _local(request.path + (f"?{rest}" if rest else ""))
+            return _WebReply(303, b"", headers=(("Location", location), ("Set-Cookie", cookie)))
+        parts = request.parts
         if request.method == "POST":
-            if len(parts) == 3 and parts[0] == "job" and parts[2] in _WEB_ACTIONS:
-                return await self._act(request, parts[1], parts[2])
+            if parts == ("control",):
+                return await self._act(request)
             return self._problem(405 if self._route(parts) else 404, "no such page")
         if request.method not in ("GET", "HEAD"):
             return self._problem(405, "only GET (and POST for control)", headers=(("Allow", "GET, HEAD"),))
@@ -7716,13 +7750,14 @@ class StatusPage:
             return self._problem(404, "no such page")
         return await page(request, *parts[1:])
 
-    def _route(self, parts: list[str]) -> Callable[..., Awaitable[_WebReply]] | None:
+    def _route(self, parts: tuple[str, ...]) -> Callable[..., Awaitable[_WebReply]] | None:
         pages: dict[tuple[str, int], Callable[..., Awaitable[_WebReply]]] = {
             ("", 1): self._jobs_page,
             ("timeline", 1): self._timeline_page,
             ("running", 1): self._running_page,
             ("processes", 1): self._processes_page,
             ("job", 2): self._job_page,
+            ("job", 1): self._job_page,  # (?name=: the names "." and "..", which no path can carry)
             ("api", 2): self._api,
         }
         return pages.get((parts[0], len(parts)))
@@ -7750,27 +7785,37 @@ class StatusPage:
         }
         return json.dumps(shown, separators=(",", ":")).encode()
 
-    async def _events(self, writer: asyncio.StreamWriter) -> None:
+    async def _events(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Server-sent events: what runs now and the newest records, whenever they change. One look
-        every ``_WEB_LIVE`` seconds serves every listening page."""
+        every ``_WEB_LIVE`` seconds serves every listening page. A page that left is noticed at once
+        (its end of the connection closes), and one gone without a word by a comment every 15 s."""
         head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n\r\nretry: 2000\n\n"
         writer.write(head.encode())
         queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=8)
         self._listeners.add(queue)
         if self._watch is None or self._watch.done():
             self._watch = asyncio.ensure_future(self._look())
-        else:
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(self._last_told)
+        elif self._last_told:
+            queue.put_nowait(self._last_told)
+        gone = asyncio.ensure_future(reader.read(1))  # (a page sends nothing more: this ends when it leaves)
+        told: asyncio.Future[bytes] | None = None
         try:
-            while True:
-                told = await queue.get()
-                if not told:
-                    return
-                writer.write(b"data: " + told + b"\n\n")
+            while not gone.done():
+                told = told or asyncio.ensure_future(queue.get())
+                await asyncio.wait((told, gone), timeout=15.0, return_when=asyncio.FIRST_COMPLETED)
+                if not told.done():
+                    writer.write(b": still here\n\n")
+                elif told.result():
+                    writer.write(b"data: " + told.result() + b"\n\n")
+                    told = None
+                else:
+                    return  # (the page is closing)
                 await writer.drain()
         finally:
             self._listeners.discard(queue)
+            for future in (told, gone):
+                if future is not None:
+                    future.cancel()
 
     _last_told = b""
 
@@ -7788,19 +7833,23 @@ class StatusPage:
                         queue.put_nowait(told)
             await asyncio.sleep(_WEB_LIVE)
 
-    async def _act(self, request: _WebRequest, job: str, action: str) -> _WebReply:
+    async def _act(self, request: _WebRequest) -> _WebReply:
+        """A button's form (``job``, ``action``, ``csrf``): trigger, pause, resume or cancel a job."""
         import hmac
         import urllib.parse
 
         if not self._control:
             return self._problem(403, "this page is read-only: start it with --control and a token to control jobs")
-        form = dict(urllib.parse.parse_qsl(request.body.decode("latin-1")))
+        form = dict(urllib.parse.parse_qsl(request.body.decode("utf-8", "replace")))
         if not hmac.compare_digest(form.get("csrf", "").encode(), self._csrf().encode()):
             return self._problem(403, "the form's token is missing or wrong: reload the page")
-        _log.warning("status page: %s %s, asked from %s", action, job, request.peer)
+        job, action = form.get("job", ""), form.get("action", "")
+        if action not in _WEB_ACTIONS:
+            return self._problem(400, f"action must be one of {', '.join(_WEB_ACTIONS)}")
         await getattr(self.scheduler, action)(job)
+        _log.warning("status page: %s %r, asked from %s", action, job, request.peer)
         self._status = None
-        return _WebReply(303, b"", headers=(("Location", "/job/" + urllib.parse.quote(job, safe="")),))
+        return _WebReply(303, b"", headers=(("Location", _job_href(job)),))
 
     async def _api(self, request: _WebRequest, what: str) -> _WebReply:
         data: object
@@ -7822,10 +7871,7 @@ class StatusPage:
         return _WebReply(200, json.dumps(data, separators=(",", ":")).encode(), "application/json")
 
     def _limit(self, request: _WebRequest) -> int:
-        text = request.query.get("limit", "100")
-        if not text.isdigit() or not 1 <= int(text) <= 100_000:
-            raise ConfigError(f"limit must be a whole number from 1 to 100000, got {text!r}", option="limit")
-        return int(text)
+        return _web_number(request.query.get("limit", "100"), 100_000, "limit")
 
     def _span(self, request: _WebRequest) -> tuple[int, int, str]:
         span = request.query.get("span", "1h")
@@ -7838,12 +7884,26 @@ class StatusPage:
         part = _WEB_SPANS[span] // (_WEB_WIDTH // 2)
         return await self.scheduler._link.call(lambda store: store.timeline(jobs, since, until, part))
 
+    async def _timeline(self, names: list[str], since: int, until: int, span: str) -> str:
+        """The timeline of ``names``, drawn again only once a bar may have grown by a pixel or so
+        (every 4 s over an hour, every 60 s over a day): each listening page asks for it at each
+        change, and a day of a job every second takes 100-130 ms to draw."""
+        key = f"{span} {names}"
+        now = time.monotonic()
+        drawn = self._drawn.get(key)
+        if drawn is None or now - drawn[0] > min(60.0, _WEB_SPANS[span] / _WEB_WIDTH / 1000):
+            stretches, running = await asyncio.gather(self._stretches(names, since, until, span), self._running())
+            drawn = self._drawn[key] = (now, _timeline_svg(names, stretches, running, since, until))
+            for old in [k for k, (at, _) in self._drawn.items() if now - at > 120]:
+                del self._drawn[old]
+        return drawn[1]
+
     async def _timeline_jobs(self, request: _WebRequest) -> tuple[list[str], int, int]:
         """The jobs a timeline shows (``?job=NAME``: that one; else a page of 50), its page and pages."""
         names = [job.name for job in await self._jobs()]
         if "job" in request.query:
             if request.query["job"] not in names:
-                raise ConfigError("no such job in the store", job=request.query["job"])
+                raise JobNotFound("no such job in the store", job=request.query["job"])
             return [request.query["job"]], 0, 1
         number, pages = self._page_number(request, len(names), 50)
         return names[number * 50 : (number + 1) * 50], number, pages
@@ -7873,7 +7933,6 @@ class StatusPage:
         return _WebReply(200, page.encode(), nonce=nonce)
 
     async def _jobs_page(self, request: _WebRequest) -> _WebReply:
-        import urllib.parse
 
         jobs = await self._jobs()
         number, pages = self._page_number(request, len(jobs), _WEB_JOBS_A_PAGE)
@@ -7882,7 +7941,7 @@ class StatusPage:
         marks = await self.scheduler._link.call(lambda store: {name: store.history(name, 10) for name in names})
         rows = []
         for job in shown:
-            href = "/job/" + urllib.parse.quote(job.name, safe="")
+            href = _job_href(job.name)
             following = None if job.paused or job.undeclared else job.next_at
             last = "".join(
                 f'<span class=mark style="background:{_WEB_COLOURS.get(r.status, "#555")}" title="{_html(r.status)}"></span>'
@@ -7911,10 +7970,7 @@ class StatusPage:
 
     def _page_number(self, request: _WebRequest, count: int, size: int) -> tuple[int, int]:
         pages = max(1, -(-count // size))
-        text = request.query.get("page", "1")
-        if not text.isdigit() or not 1 <= int(text) <= pages:
-            raise ConfigError(f"page must be a whole number from 1 to {pages}, got {text!r}", option="page")
-        return int(text) - 1, pages
+        return _web_number(request.query.get("page", "1"), pages, "page") - 1, pages
 
     def _pager(self, path: str, number: int, pages: int, request: _WebRequest) -> str:
         import urllib.parse
@@ -7938,8 +7994,7 @@ class StatusPage:
 
         since, until, span = self._span(request)
         names, number, pages = await self._timeline_jobs(request)
-        stretches, running = await asyncio.gather(self._stretches(names, since, until, span), self._running())
-        svg = _timeline_svg(names, stretches, running, since, until)
+        svg = await self._timeline(names, since, until, span)
         if request.query.get("svg"):
             return _WebReply(200, svg.encode(), "image/svg+xml")
         choices = " ".join(
@@ -7975,9 +8030,10 @@ class StatusPage:
         body = f"<h2>{len(processes)} process{'' if len(processes) == 1 else 'es'} on the store</h2>{table}"
         return self._page("processes", "processes", body)
 
-    async def _job_page(self, request: _WebRequest, name: str) -> _WebReply:
+    async def _job_page(self, request: _WebRequest, name: str | None = None) -> _WebReply:
         import urllib.parse
 
+        name = request.query.get("name", "") if name is None else name
         jobs = await self._jobs()
         job = next((j for j in jobs if j.name == name), None)
         if job is None:
@@ -8002,12 +8058,11 @@ class StatusPage:
         )
         buttons = ""
         if self._control:
-            path = _html("/job/" + urllib.parse.quote(name, safe=""))
+            fields = f'<input type=hidden name=csrf value="{self._csrf()}"><input type=hidden name=job value="{_html(name)}">'
             buttons = (
                 "<p>"
                 + "".join(
-                    f'<form method=post action="{path}/{action}"><input type=hidden name=csrf value="{self._csrf()}">'
-                    f"<button>{action}</button></form>"
+                    f'<form method=post action="/control">{fields}<button name=action value={action}>{action}</button></form>'
                     for action in _WEB_ACTIONS
                 )
                 + "</p>"
@@ -8023,10 +8078,36 @@ class StatusPage:
         body = (
             f"<h2>{_html(name)}</h2>{buttons}{facts}<h3>running and waiting</h3>{_running_table(mine, name)}"
             + (f"<h3>checkpoints of the unfinished runs</h3><table>{checkpoints}</table>" if checkpoints else "")
-            + f"<h3>history ({len(records)} record{'' if len(records) == 1 else 's'})</h3>{_records_table(shown, name)}"
+            + f"<h3>history ({'the newest ' if len(records) == 1000 else ''}{len(records)} record"
+            f"{'' if len(records) == 1 else 's'})</h3>{_records_table(shown, name if number == 0 else None)}"
             f"{self._pager(request.path, number, pages, request)}"
         )
         return self._page(name, "", body)
+
+
+def _job_href(name: str) -> str:
+    """A job's page: its name as one segment of the path (``/`` in it too), or, for the names
+    ``.`` and ``..`` that a browser would take for steps between folders, as ``?name=``."""
+    import urllib.parse
+
+    if name in (".", ".."):
+        return "/job?" + urllib.parse.urlencode({"name": name})
+    return "/job/" + urllib.parse.quote(name, safe="")
+
+
+def _local(path: str) -> str:
+    """A path of this page, fit for a Location header: one leading slash (``//host`` would leave
+    the page), nothing but ASCII (no line ends: no header of the client's making)."""
+    import urllib.parse
+
+    return "/" + urllib.parse.quote(path.lstrip("/"), safe="/%?=&+:@!$'()*,;-._~")
+
+
+def _web_number(text: str, most: int, option: str) -> int:
+    """A whole number of a query, from 1 to ``most`` (ASCII digits only)."""
+    if not _WEB_NUMBER.fullmatch(text) or not 1 <= int(text) <= most:
+        raise ConfigError(f"{option} must be a whole number from 1 to {most}, got {text[:20]!r}", option=option)
+    return int(text)
 
 
 def _web_time(moment: _dt.datetime | None) -> str:
@@ -8096,7 +8177,9 @@ def _running_table(running: list[RunInfo], job: str = "") -> str:
     )
 
 
-def _records_table(records: list[RunRecord], job: str = "") -> str:
+def _records_table(records: list[RunRecord], job: str | None = "") -> str:
+    """The records as a table; live (new ones added as they come) for ``job``, or every job with "",
+    or not at all with None (a page of older records)."""
     rows = []
     for r in records:
         duration = "-"
@@ -8110,10 +8193,10 @@ def _records_table(records: list[RunRecord], job: str = "") -> str:
             f"<td>{r.attempt}</td><td>{_web_status(r.status)}</td><td>{_html(r.instance or '-')}</td>"
             f"<td>{_web_time(r.started_at)}</td><td>{duration}</td><td>{error}{output}</td></tr>"
         )
+    live = "" if job is None else f' id=recent data-job="{_html(job)}"'
     return (
         "<table><thead><tr><th>job</th><th>scheduled</th><th>attempt</th><th>status</th><th>process</th>"
-        "<th>started</th><th>took</th><th>error, output</th></tr></thead>"
-        f'<tbody id=recent data-job="{_html(job)}">{"".join(rows)}</tbody></table>'
+        f"<th>started</th><th>took</th><th>error, output</th></tr></thead><tbody{live}>{''.join(rows)}</tbody></table>"
     )
 
 

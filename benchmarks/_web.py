@@ -5,8 +5,9 @@ Makes FOLDER/jobs.db with 10,000 jobs and 1,000,000 records (100 a job, an hour 
 measures how long each page takes to answer (20 requests each, after one that warms up; the jobs
 page also once a second, when every job's status is read again). Then,
 with a scheduler process running a job every second on the same file, the page's process's CPU
-and resident memory over SECONDS with no page listening and with 50 (server-sent events, each
-read to its end as a browser would).
+and resident memory over SECONDS with no page listening with 50 (server-sent events, each
+read to its end as a browser would), and with 50 timelines of a day of the job every second, each
+drawn again at most every 5 s while changes are told, as the page's script does.
 """
 
 import asyncio
@@ -108,9 +109,12 @@ def cpu_and_rss(pid: int) -> tuple[float, float]:
     return (int(fields[11]) + int(fields[12])) / TICKS, rss / 1024
 
 
-def listen(port: int, count: int, stop: threading.Event) -> tuple[threading.Thread, list[int]]:
-    """``count`` pages listening to /events, read by one thread until ``stop``; bytes each got."""
+def listen(port: int, count: int, stop: threading.Event, timeline: str = "") -> tuple[threading.Thread, list[int]]:
+    """``count`` pages listening to /events, read by one thread until ``stop``; the bytes of the
+    events each was told. With ``timeline`` (a timeline's path), each page also fetches its drawing
+    again at most every 5 s while it is told of changes, as the page's script does."""
     got = [0] * count
+    fetched = [0.0] * count
     chooser = selectors.DefaultSelector()
     for n in range(count):
         sock = socket.create_connection(("127.0.0.1", port))
@@ -122,7 +126,11 @@ def listen(port: int, count: int, stop: threading.Event) -> tuple[threading.Thre
         while not stop.is_set():
             for key, _ in chooser.select(0.2):
                 data = key.fileobj.recv(65536)  # type: ignore[union-attr]
-                got[key.data] += len(data)
+                told = sum(len(line) for line in data.split(b"\n") if line.startswith(b"data: "))
+                got[key.data] += told
+                if told and timeline and time.monotonic() - fetched[key.data] >= 5.0:
+                    fetched[key.data] = time.monotonic()
+                    answer_ms(port, timeline)
         for key in list(chooser.get_map().values()):
             key.fileobj.close()  # type: ignore[union-attr]
 
@@ -172,21 +180,21 @@ def main() -> dict[str, object]:
         beating = subprocess.Popen([sys.executable, script, DB], env=env)
         time.sleep(3.0)  # (the scheduler joins and runs its first beats)
         live: dict[str, object] = {}
-        for count in (0, 50):
+        for count, timeline in ((0, ""), (50, ""), (50, "/timeline?span=1d&job=second&svg=1")):
             stop = threading.Event()
-            reader, got = listen(port, count, stop)
+            reader, got = listen(port, count, stop, timeline)
             time.sleep(2.0)
             cpu0, rss0 = cpu_and_rss(web.pid)
             time.sleep(SECONDS)
             cpu1, rss1 = cpu_and_rss(web.pid)
             stop.set()
             reader.join()
-            live[f"{count} pages"] = {
+            live[f"{count} {'timeline pages' if timeline else 'pages'}"] = {
                 "cpu_share_of_a_core": (cpu1 - cpu0) / SECONDS,
                 "rss_mb": rss1,
                 "rss_growth_mb": rss1 - rss0,
                 "bytes_told_per_page_per_s": (sum(got) / count / SECONDS) if count else 0.0,
-                "pages_told": sum(1 for n in got if n),
+                "pages_told": sum(1 for n in got if n),  # (of an event: the answer's head is not counted)
             }
         return {"jobs": JOBS + 1, "records": rows, "pages": pages, "live": live, "seconds": SECONDS}
     finally:

@@ -518,7 +518,8 @@ def report_web(section: dict[str, Any]) -> None:
     for name, figures in section["live"].items():
         print(
             f"  {name} listening for {section['seconds']:g} s: {figures['cpu_share_of_a_core']:.1%} of a core, "
-            f"{figures['rss_mb']:.1f} MB resident, {figures['bytes_told_per_page_per_s']:.0f} bytes a page a second"
+            f"{figures['rss_mb']:.1f} MB resident, {figures['bytes_told_per_page_per_s']:.0f} bytes a page a second "
+            f"({figures['pages_told']} pages told)"
         )
 
 

@@ -1,10 +1,12 @@
 """The status page (``anarchon-lite web``, ``StatusPage``): against a real scheduler process with
 real runs, over HTTP, and in a real browser (headless Chromium driven by selenium)."""
 
+import html
 import http.client
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +17,8 @@ from conftest import stop_processes
 from test_cli import ENV, ROOT, anarchon, cli, wait_until
 
 APP = os.path.join(ROOT, "tests", "webapp.py")
+ODD = ('a/b "<i>x</i>"', "..", ".", "é✓日本")  # (webapp.py's)
+JOBS = {"tick", "work", "fail", "evil", *ODD}
 EVIL = "<script>document.title='pwned'</script>"
 TOKEN = "a-token-of-the-tests-0123456789"
 
@@ -86,7 +90,7 @@ def app(store, tmp_path):
     with open(tmp_path / "app.log", "w") as log:
         proc = subprocess.Popen([sys.executable, APP, store], stdout=log, stderr=log, env=ENV)
     try:
-        wait_until(lambda: declared(store) >= {"tick", "work", "fail", "evil"}, what="the app's jobs")
+        wait_until(lambda: declared(store) >= JOBS, what="the app's jobs")
         yield store
     finally:
         stop_processes([proc])
@@ -142,14 +146,25 @@ def test_bad_paths_methods_and_queries_get_one_line_never_a_traceback(web):
         ("/", "POST", 405),
         ("/?page=0", "GET", 400),
         ("/?page=x", "GET", 400),
+        ("/?page=%C2%B2", "GET", 400),  # (a digit to str.isdigit, not to int)
+        ("/?page=" + "9" * 5000, "GET", 400),
+        ("/timeline?job=nope", "GET", 404),
+        ("/control", "GET", 404),
         ("/timeline?span=1y", "GET", 400),
         ("/api/history?limit=-1", "GET", 400),
-        ("/job/tick/pause", "POST", 403),  # (read-only: no control)
+        ("/control", "POST", 403),  # (read-only: no control)
     ):
         status, headers, text = web.request(path, method=method)
         assert status == expected, (path, method, status, text)
         assert "Traceback" not in text and len(text) < 300, text
         assert "'none'" in headers["Content-Security-Policy"]
+    for request in (b"GET /a b HTTP/1.1\r\n\r\n", b"\x00\xff garbage\r\n\r\n", b"GET / HTTP/1.1\r\nX: " + b"y" * 20000):
+        with socket.create_connection((web.host, web.port), timeout=30) as raw:
+            raw.sendall(request)
+            assert raw.recv(100).startswith(b"HTTP/1.1 400 ")
+    # a name that is not loopback's: another site's page that points a name of its own at 127.0.0.1
+    status, _, text = web.request("/", headers={"Host": "attacker.example"})
+    assert status == 403 and "loopback" in text
     assert web.proc.poll() is None
     assert '"paused":true' not in web.get("/api/status")  # (the refused POST changed nothing)
 
@@ -174,33 +189,99 @@ def test_an_address_off_loopback_needs_a_token_and_every_request_then_carries_it
             assert status == 303 and headers["Location"] == "/job/tick"  # (the token leaves the address)
             cookie = headers["Set-Cookie"].split(";")[0]
             assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+            assert TOKEN not in cookie  # (a session made of it: the token is not sent to the host's other ports)
             assert page.request("/job/tick", headers={"Cookie": cookie})[0] == 200
+            assert page.request("/job/tick", headers={"Cookie": f"anarchon_session={TOKEN}"})[0] == 401
+            # what follows ``?token=`` goes back as the page's own path: no header, no other site
+            for path in ("/%0d%0aSet-Cookie:%20evil=1", "/%2F%2Fevil.example/", "/job/%C3%A9"):
+                status, headers, _ = page.request(f"{path}?token={TOKEN}")
+                assert status == 303 and "evil=1" not in headers.get("Set-Cookie", ""), headers
+                assert headers["Location"].startswith("/") and not headers["Location"].startswith("//")
+                assert headers["Location"].isascii() and "\n" not in headers["Location"]
         finally:
             page.close()
     finally:
         stop_processes([app])
 
 
+def paused(store, job):
+    return next(j for j in json.loads(cli(store, "status", "--json").stdout)["jobs"] if j["name"] == job)["paused"]
+
+
 def test_control_needs_the_token_and_the_forms_token_and_is_logged(app):
     page = Web(app, "--control", env={"ANARCHON_WEB_TOKEN": TOKEN})
     try:
-        cookie = {"Cookie": f"anarchon_token={TOKEN}", "Content-Type": "application/x-www-form-urlencoded"}
-        text = page.get("/job/tick", headers=cookie)
+        session = page.request(f"/?token={TOKEN}")[1]["Set-Cookie"].split(";")[0]
+        form = {"Cookie": session, "Content-Type": "application/x-www-form-urlencoded"}
+        text = page.get("/job/tick", headers=form)
         csrf = re.search(r'name=csrf value="([0-9a-f]+)"', text).group(1)
-        assert page.request("/job/tick/pause", "POST", body="csrf=0", headers=cookie)[0] == 403
-        assert page.request("/job/tick/pause", "POST", body=f"csrf={csrf}")[0] == 401  # (no token)
-        assert not next(j for j in json.loads(cli(app, "status", "--json").stdout)["jobs"] if j["name"] == "tick")[
-            "paused"
-        ]
-        status, headers, _ = page.request("/job/tick/pause", "POST", body=f"csrf={csrf}", headers=cookie)
+
+        def post(job, action, csrf=csrf, headers=form):
+            return page.request("/control", "POST", body=urllib.parse.urlencode(locals()), headers=headers)
+
+        assert post("tick", "pause", csrf="0")[0] == 403
+        assert post("tick", "pause", headers={})[0] == 401  # (no token)
+        assert post("tick", "explode")[0] == 400
+        assert post("nope", "pause")[0] == 404
+        assert not paused(app, "tick")
+        status, headers, _ = post("tick", "pause")
         assert status == 303 and headers["Location"] == "/job/tick"
-        assert next(j for j in json.loads(cli(app, "status", "--json").stdout)["jobs"] if j["name"] == "tick")["paused"]
-        status, _, _ = page.request("/job/work/trigger", "POST", body=f"csrf={csrf}", headers=cookie)
-        assert status == 303
+        assert paused(app, "tick")
+        status, headers, _ = post("..", "pause")  # (a name no path can carry: its page is ?name=)
+        assert status == 303 and headers["Location"] == "/job?name=..", headers
+        assert paused(app, "..")
+        assert post("work", "trigger")[0] == 303
         wait_until(lambda: records(app, "work"), what="the triggered run")
     finally:
         page.close()
-    assert "status page: pause tick, asked from 127.0.0.1" in page.log
+    assert "status page: pause 'tick', asked from 127.0.0.1" in page.log
+    assert "'nope'" not in page.log  # (what was refused is not said to have been done)
+
+
+def test_every_job_has_its_page_whatever_its_name(web):
+    jobs = web.get("/")
+    links = {
+        html.unescape(name): html.unescape(href)
+        for name, href in re.findall(r'<tr data-job="([^"]*)"><td><a href="([^"]*)">', jobs)
+    }
+    assert set(links) == JOBS
+    for name in ODD:
+        text = web.get(links[name])
+        assert f"<h2>{html.escape(name)}</h2>" in text, (name, links[name])
+
+
+def test_pages_that_leave_free_their_connections_and_new_ones_are_told_at_once(store):
+    """On a store where nothing happens: ten pages that start listening together are each told
+    what runs (a first look for all of them), and once they leave, their connections are closed."""
+
+    from conftest import QUIET, run
+
+    from anarchon_lite import Scheduler
+
+    async def declare():
+        scheduler = Scheduler(store)
+        scheduler.every("quiet", "24h", lambda ctx: None, offset=QUIET)
+        async with scheduler:
+            pass
+
+    run(declare())
+    page = Web(store)
+    try:
+        before = len(os.listdir(f"/proc/{page.proc.pid}/fd"))
+        pages = [socket.create_connection((page.host, page.port), timeout=30) for _ in range(10)]
+        for one in pages:
+            one.sendall(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        for one in pages:
+            told = b""
+            while b"data: " not in told:
+                more = one.recv(65536)
+                assert more, f"the stream ended without an event: {told!r}"
+                told += more
+        for one in pages:
+            one.close()
+        wait_until(lambda: len(os.listdir(f"/proc/{page.proc.pid}/fd")) <= before, what="the connections closed")
+    finally:
+        page.close()
 
 
 def test_a_password_in_the_url_never_shows(pg_server, tmp_path):
@@ -288,7 +369,7 @@ def test_in_a_browser_jobs_a_live_run_its_progress_an_error_and_markup_that_stay
     wait_until(lambda: ended(app, "evil"), what="the evil run's end")
     browser.get(web.url)
     names = {row.get_attribute("data-job") for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-job]")}
-    assert names == {"tick", "work", "fail", "evil"}
+    assert names == JOBS
     stamp = browser.find_element(By.CSS_SELECTOR, "tr[data-job='tick'] td.at time")
     assert stamp.get_attribute("title").endswith("UTC")  # (shown in the viewer's zone, UTC on hover)
     shoot(browser, "jobs")
@@ -339,11 +420,11 @@ def test_in_a_browser_control_needs_the_token(browser, app):
         shoot(browser, "control")
         next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text == "pause").click()
         wait_until(lambda: "paused" in browser.find_element(By.TAG_NAME, "table").text, what="the job paused")
-        assert next(j for j in json.loads(cli(app, "status", "--json").stdout)["jobs"] if j["name"] == "tick")["paused"]
+        assert paused(app, "tick")
     finally:
         browser.delete_all_cookies()
         page.close()
-    assert "status page: pause tick, asked from 127.0.0.1" in page.log
+    assert "status page: pause 'tick', asked from 127.0.0.1" in page.log
 
 
 def test_the_page_lives_in_a_running_scheduler_as_well(store):

@@ -4,7 +4,7 @@ Jobs: ``tick`` every second (a steady stream of runs), and three that run only w
 (``QUIET``: their own occurrence is hours away): ``work`` reports its progress in 60 steps of
 0.25 s (it travels with the heartbeats: a lease of 3 s renews about every second) and saves
 each step as its checkpoint, ``fail`` raises an error with markup in it, ``evil`` returns markup that would run a
-script if a page let it."""
+script if a page let it; and jobs whose names a page must carry whole (``ODD``)."""
 
 import asyncio
 import os
@@ -43,5 +43,10 @@ def fail(ctx):
 def evil(ctx):
     return EVIL
 
+
+# Names a page must carry whole: a slash, markup, the two that a path takes for steps between folders.
+ODD = ('a/b "<i>x</i>"', "..", ".", "é✓日本")
+for name in ODD:
+    scheduler.every(name, "24h", lambda ctx: None, offset=QUIET)
 
 asyncio.run(scheduler.run())
