@@ -5,7 +5,7 @@ Makes FOLDER/jobs.db with 10,000 jobs and 1,000,000 records (100 a job, an hour 
 measures how long each page takes to answer (20 requests each, after one that warms up; the jobs
 page also once a second, when every job's status is read again). Then,
 with a scheduler process running a job every second on the same file, the page's process's CPU
-and resident memory over SECONDS with no page listening with 50 (server-sent events, each
+and resident memory over SECONDS with no page listening, with 50 (server-sent events, each
 read to its end as a browser would), and with 50 timelines of a day of the job every second, each
 drawn again at most every 5 s while changes are told, as the page's script does.
 """
