@@ -26,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from anarchon_lite import Scheduler
+from anarchon_lite import Scheduler, StatusPage
 
 FOLDER, SECONDS = sys.argv[1], float(sys.argv[2])
 DB = os.path.join(FOLDER, "jobs.db")
@@ -96,6 +96,21 @@ def answer_ms(port: int, path: str) -> float:
     return took
 
 
+async def drawing_ms(times: int) -> list[float]:
+    """How long the timeline of a day of ``second`` takes to draw, each time anew (the page keeps
+    a drawing for up to a minute over a day: the pages above are answered from it)."""
+    page = StatusPage(Scheduler(DB, read_only=True), "127.0.0.1:0")
+    until = int(time.time() * 1000)
+    took = []
+    for _ in range(times + 1):
+        page._drawn.clear()
+        start = time.perf_counter()
+        await page._timeline(["second"], until - 86_400_000, until, "1d")
+        took.append((time.perf_counter() - start) * 1000)
+    page.scheduler.close()
+    return took[1:]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
@@ -118,7 +133,7 @@ def listen(port: int, count: int, stop: threading.Event, timeline: str = "") -> 
     chooser = selectors.DefaultSelector()
     for n in range(count):
         sock = socket.create_connection(("127.0.0.1", port))
-        sock.sendall(b"GET /events HTTP/1.1\r\nHost: bench\r\nAccept: text/event-stream\r\n\r\n")
+        sock.sendall(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: text/event-stream\r\n\r\n")
         sock.setblocking(False)
         chooser.register(sock, selectors.EVENT_READ, n)
 
@@ -159,6 +174,12 @@ def main() -> dict[str, object]:
             answer_ms(port, path)
             times = [answer_ms(port, path) for _ in range(20)]
             pages[name] = {"p50_ms": percentile(times, 50), "p99_ms": percentile(times, 99), "max_ms": max(times)}
+        times = asyncio.run(drawing_ms(20))
+        pages["timeline of a day of a job every second, drawn anew"] = {
+            "p50_ms": percentile(times, 50),
+            "p99_ms": percentile(times, 99),
+            "max_ms": max(times),
+        }
         # The page reads every job's status at most once a second, whatever the number of viewers:
         # the jobs page when its status must be read again (one request a second).
         times = []
