@@ -1359,6 +1359,18 @@ class _Changes(abc.ABC):
     #: a second; they learn of a change within 1 s all the same.
     coalesce = 0.0
 
+    def recheck(self, changed: bool, written: bool, previous: float) -> float:
+        """Seconds after which the loop looks again though it saw no change (0: not before its next
+        wake-up), given whether ``version`` changed since the last look, whether a write was told
+        (or made here) since then, and the previous answer. A file watch (inotify) reports a WAL
+        write a moment before its commit is visible: after a write with no visible change, look
+        again after 5, 25, 125 and 625 ms."""
+        if changed:
+            return 0.0
+        if written:
+            return 0.005
+        return previous * 5 if 0 < previous < 0.5 else 0.0
+
     def settles_in(self, run: _RunRow) -> float:
         """Seconds until ``owner_gone`` may call ``run``'s owner gone where it does not yet (a free
         lock waiting out the owner's chance to notice it); infinity when nothing is waited for."""
@@ -1409,6 +1421,11 @@ class _Backend(abc.ABC):
     ``_Changes``. Everything that depends on where the state lives is behind it."""
 
     where: str  #: the database as messages name it (a path; a URL without its password)
+    #: Seconds between the scheduler's looks when nothing tells it of changes (``poll=``, at most 1 s).
+    look_every: float = 0.5
+    #: Whether the scheduler was asked to poll (``poll=``): ``on_change`` is then never called for
+    #: other processes' writes, and the loop looks every ``look_every``.
+    polled: bool = False
 
     @abc.abstractmethod
     def main(self) -> _Store:
@@ -1424,11 +1441,9 @@ class _Backend(abc.ABC):
         on the loop; None if there can be none."""
 
     @abc.abstractmethod
-    def changes(
-        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
-    ) -> _Changes:
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
         """The loop's view of changes, for the scheduler ``instance`` of this process (open from
-        before it joins until it has left); with ``poll``, ``on_change`` is never called for
+        before it joins until it has left); when ``polled``, ``on_change`` is never called for
         other processes' writes."""
 
 
@@ -3580,10 +3595,8 @@ class _SQLite(_Backend):
             shared_group=self.shared_group,
         )
 
-    def changes(
-        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
-    ) -> _Changes:
-        return _SQLiteChanges(self.path, self._clock, loop, on_change, poll, instance, self.shared_group)
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
+        return _SQLiteChanges(self.path, self._clock, loop, on_change, self.polled, instance, self.shared_group)
 
 
 ###############################################################################
@@ -4605,10 +4618,39 @@ class _Postgres(_Backend):
     def fallback(self) -> _AsyncRenewal:
         return _PGLoopRenewal(self._target, asyncio.get_running_loop())
 
-    def changes(
-        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
-    ) -> _Changes:
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
         return _PGChanges(self._target, self._identity, loop, on_change)
+
+
+def _store_at(
+    path: str,
+    *,
+    clock: Clock | None = None,
+    poll: float | None = None,
+    busy_timeout: float = 30.0,
+    retention: int = 1000,
+    read_only: bool = False,
+    durability: str = "normal",
+    shared_group: bool = False,
+) -> _Backend:
+    """The store at ``path``: the schema of a ``postgresql://`` URL (psycopg is imported only
+    then), else the SQLite file. The one place a backend is chosen; nothing is opened until its
+    first use. The settings are the store's, as ``Scheduler`` documents them (``clock``: the one
+    SQLite's leases are stamped on; ``durability`` and ``shared_group`` are SQLite's alone)."""
+    if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
+        raise ConfigError(
+            f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention"
+        )
+    if durability not in ("full", "normal"):
+        raise ConfigError(f"must be 'full' or 'normal', not {durability!r}", option="durability")
+    backend: _Backend = (
+        _Postgres(path, read_only, busy_timeout, retention)
+        if _is_postgres(path)
+        else _SQLite(path, clock or Clock(), busy_timeout, read_only, retention, durability, shared_group)
+    )
+    backend.look_every = 0.5 if poll is None else min(poll, 1.0)
+    backend.polled = poll is not None
+    return backend
 
 
 ###############################################################################
@@ -6344,6 +6386,12 @@ class Scheduler:
     sharing a group; new ones are made writable by the group. Without it, those of another user, or
     that users other than the owner may write, are refused with a ``StoreError``: the README's
     "Trust model"). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
+
+    The store settings (``clock``, ``poll``, ``busy_timeout``, ``retention``, ``read_only``,
+    ``durability``, ``shared_group``) go to the store that ``path`` names, which one factory
+    chooses (``_store_at``). ``store`` hands a store in instead: one built by ``_store_at``, or a
+    function given the store this scheduler would open and returning the one it uses (tests wrap
+    it to inject faults or count calls through the store interface).
     """
 
     def __init__(
@@ -6362,6 +6410,7 @@ class Scheduler:
         metrics_file: str | os.PathLike | None = None,  # type: ignore[type-arg]
         durability: Literal["full", "normal"] = "normal",
         shared_group: bool = False,
+        store: _Backend | Callable[[_Backend], _Backend] | None = None,
     ):
         self.path = os.fspath(path)
         if instance is not None and not (
@@ -6370,24 +6419,25 @@ class Scheduler:
             raise ConfigError(f"must be printable text of 1 to 200 characters, not {instance!r}", option="instance")
         self.instance = instance or f"{_safe_text(socket.gethostname())}-{os.getpid()}-{random.randrange(16**4):04x}"
         self._clock = clock or Clock()
-        self._poll = 0.5 if poll is None else min(poll, 1.0)
-        self._polling = poll is not None
-        self._busy_timeout = busy_timeout
-        if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
-            raise ConfigError(
-                f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention"
-            )
-        self._retention = retention
         self._blocked_warning = blocked_warning
         self._switch_interval = switch_interval
         self._read_only = read_only
-        if durability not in ("full", "normal"):
-            raise ConfigError(f"must be 'full' or 'normal', not {durability!r}", option="durability")
-        backend: _Backend = (
-            _Postgres(self.path, read_only, busy_timeout, retention)
-            if _is_postgres(self.path)
-            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention, durability, shared_group)
-        )
+        if isinstance(store, _Backend):
+            backend = store
+        else:
+            backend = _store_at(
+                self.path,
+                clock=self._clock,
+                poll=poll,
+                busy_timeout=busy_timeout,
+                retention=retention,
+                read_only=read_only,
+                durability=durability,
+                shared_group=shared_group,
+            )
+            if store is not None:
+                backend = store(backend)
+        self._poll = backend.look_every
         self._where = backend.where  # the database, as messages name it
         self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
         self._link = _StoreLink(backend, self._register)  #: the store, and every connection to it (``_link.backend``)
@@ -6888,7 +6938,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
         # connection that holds this process's lock), and no change after the join goes unseen.
-        loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self._polling, self.instance))
+        loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self.instance))
         loop_state.watch.vouch_for(
             lambda: bool(self._attempts), lambda why: self._runner.abort(lambda job: LeaseLost(f"{job}: {why}"))
         )
@@ -7030,15 +7080,8 @@ class Scheduler:
             await self._reopen(state, change)
         if self._rejoin:
             await self._join()
-        # inotify reports a WAL write a moment before its commit is visible: after a write with no
-        # visible change, look again after 5, 25, 125 and 625 ms.
         written, self._written = self._written, False
-        if version != state.version:
-            state.recheck = 0.0
-        elif written:
-            state.recheck = 0.005
-        elif state.recheck:
-            state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
+        state.recheck = state.watch.recheck(version != state.version, written, state.recheck)
         stale = state.watching and self._clock.monotonic() >= state.read_at + state.reread - 0.01
         deferred = 0.0  # a change told by another process, read this much later with the changes after it
         if version != state.version and not self._dirty and state.runs is not None:

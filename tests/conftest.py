@@ -214,17 +214,17 @@ def store(request, tmp_path) -> str:
 
 class Process:
     """One process on the store at ``where`` (a file or a URL), its stores built as its scheduler's
-    backend builds them (``Scheduler(where)._link.backend``): ``open()`` gives a store of its own
+    backend builds them (``anarchon_lite._store_at``, the factory ``Scheduler`` calls): ``open()`` gives a store of its own
     connection. On PostgreSQL the process holds its advisory lock, as a running scheduler does (its
     ``_Changes`` session), so that its stores can claim runs. ``close`` lets go of everything."""
 
     def __init__(self, where: str, clock: anarchon_lite.Clock | None = None, **options):
-        self.backend = anarchon_lite.Scheduler(where, clock=clock, **options)._link.backend
+        self.backend = anarchon_lite._store_at(where, clock=clock, **options)
         self._stores: list = []
         self._changes = None
         if isinstance(self.backend, anarchon_lite._Postgres):
             self._loop = asyncio.new_event_loop()  # (never run: told of changes it is not asked about)
-            self._changes = self.backend.changes(self._loop, lambda: None, False, "test")
+            self._changes = self.backend.changes(self._loop, lambda: None, "test")
             if not self.backend._identity.held.wait(30):
                 self.close()
                 raise AssertionError(f"no advisory lock on {where} within 30 s")
@@ -264,10 +264,13 @@ class _Wrapped:
 
 class FaultyBackend(anarchon_lite._Backend):
     """A scheduler's backend whose stores run the methods named in ``around`` through the given
-    functions (to fail, delay or count them): faults injected through the interface, on any store."""
+    functions (to fail, delay or count them), and whose ``_Changes`` run those named in
+    ``changes_around``: faults injected through the interface, on any store."""
 
-    def __init__(self, inner, around):
+    def __init__(self, inner, around, changes_around=None):
         self.inner, self.around, self.where = inner, around, inner.where
+        self.changes_around = changes_around or {}
+        self.look_every, self.polled = inner.look_every, inner.polled
 
     def main(self):
         return _Wrapped(self.inner.main(), self.around)
@@ -279,11 +282,24 @@ class FaultyBackend(anarchon_lite._Backend):
         store = self.inner.fallback()
         return None if store is None else _Wrapped(store, self.around)
 
-    def changes(self, loop, on_change, poll, instance):
-        return self.inner.changes(loop, on_change, poll, instance)
+    def changes(self, loop, on_change, instance):
+        changes = self.inner.changes(loop, on_change, instance)
+        return _Wrapped(changes, self.changes_around) if self.changes_around else changes
 
 
-def inject(scheduler, **around):
-    """Run the named store methods of ``scheduler`` through ``around`` (before it runs)."""
-    scheduler._link.backend = FaultyBackend(scheduler._link.backend, around)
-    return scheduler
+def faulty(**around):
+    """A ``store=`` for ``Scheduler``: the store it would open, with the named methods of its stores
+    run through ``around`` (``inner(original, *args)``)."""
+    return lambda backend: FaultyBackend(backend, around)
+
+
+def counting_looks(**around):
+    """A ``store=`` for ``Scheduler`` (as ``faulty(**around)``) and a list that gets an item at each
+    of the scheduler's looks (each look asks its ``_Changes`` for the store's version once, first)."""
+    looks = []
+
+    def version(original):
+        looks.append(1)
+        return original()
+
+    return (lambda backend: FaultyBackend(backend, around, {"version": version})), looks

@@ -1,5 +1,5 @@
 """Store faults under a running scheduler. On both stores, injected through the store interface
-(``conftest.inject``): renewals failing for part of a lease, checkpoint writes failing. On the SQLite
+(``conftest.faulty``, handed in as ``Scheduler(store=...)``): renewals failing for part of a lease, checkpoint writes failing. On the SQLite
 file, the faults only a file has: a lock held past the busy timeout, a full disk, a read-only
 location, the file deleted or replaced, and a file of a previous schema version.
 
@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, inject, run, wait_for
+from conftest import QUIET, faulty, run, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -100,7 +100,7 @@ def test_renewals_failing_for_half_a_lease_keep_it(store, caplog):
     outage = Outage(Scheduler(store).path)
 
     async def main():
-        a = inject(make(store, instance="a"), renew_all=outage)
+        a = make(store, instance="a", store=faulty(renew_all=outage))
         b = make(store, instance="b")
         done = asyncio.Event()
         seen = []
@@ -162,7 +162,7 @@ def test_a_failing_checkpoint_write_names_the_store_and_the_attempt_succeeds_onc
     outage = Outage(Scheduler(store).path, "disk full (injected)")
 
     async def main():
-        s = inject(make(store), checkpoint_write=outage)
+        s = make(store, store=faulty(checkpoint_write=outage))
         go, errors = declare_writers(s, "x" * 200_000)
 
         async with s:

@@ -13,7 +13,7 @@ import time
 import urllib.parse
 
 import pytest
-from conftest import QUIET, inject, needs_faketime, run, wait_for, wall_clock_ahead
+from conftest import QUIET, faulty, needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -658,7 +658,7 @@ def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
         nonlocal started
         started = asyncio.Event()
         a = Scheduler(url, instance="a", poll=0.05)
-        b = inject(Scheduler(url, instance="b"), **{name: counted(name) for name in calls})
+        b = Scheduler(url, instance="b", store=faulty(**{name: counted(name) for name in calls}))
         for s in (a, b):
 
             @s.every("long", "24h", offset=QUIET)
@@ -690,7 +690,7 @@ def test_changes_told_in_a_burst_are_read_together(url):
 
     async def main():
         a = Scheduler(url, instance="a")
-        b = inject(Scheduler(url, instance="b"), runs=counted)
+        b = Scheduler(url, instance="b", store=faulty(runs=counted))
         for s in (a, b):
             s.every("burst", "24h", lambda ctx: None, offset=QUIET)
         await a.pause("burst")  # (the triggered runs stay pending: b reads them, runs nothing)
@@ -715,7 +715,7 @@ def test_the_lock_session_is_made_again_when_the_loop_resets_at_once(url):
         backend = al._Postgres(url, False, 30.0, 1000)
         run_store = backend.main()
         run_store.register([])  # (the schema)
-        changes = backend.changes(asyncio.get_running_loop(), lambda: None, False, "me")
+        changes = backend.changes(asyncio.get_running_loop(), lambda: None, "me")
         changes.vouch_for(lambda: False, lambda why: changes.reset())  # the reset, at the worst moment
         try:
             identity = backend._identity

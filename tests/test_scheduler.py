@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, ManualClock, inject, run, wait_for
+from conftest import QUIET, ManualClock, counting_looks, faulty, run, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import (
@@ -55,19 +55,6 @@ async def has(s, job, status, count=1):
 
 async def last_succeeded(s, job, slot):
     return any(r.slot == slot and r.status == "succeeded" for r in await s.history(job, limit=1000))
-
-
-def counting_looks(s):
-    """A list that gets an item at each of the scheduler's looks."""
-    looks = []
-    tick = s._tick
-
-    async def counted(state):
-        looks.append(1)
-        await tick(state)
-
-    s._tick = counted
-    return looks
 
 
 def aligned(clock, interval):
@@ -787,7 +774,7 @@ def test_transient_store_failures_do_not_stop_the_scheduler(db, caplog):
         return method
 
     async def main():
-        s = inject(make(db), **{name: flaky(name) for name in failures})
+        s = make(db, store=faulty(**{name: flaky(name) for name in failures}))
 
         @s.every("steady", "24h", offset=QUIET, lease="1s", overlap="allow")
         async def steady(ctx):
@@ -877,7 +864,7 @@ def test_a_stop_while_starting_is_kept(db):
         return join(*args)
 
     async def main():
-        s = inject(make(db), join=slow_join)
+        s = make(db, store=faulty(join=slow_join))
         s.every("job", "1h", lambda ctx: None)
         runner = asyncio.ensure_future(s.run())
         await wait_for(joining.is_set, message="the join to start")
@@ -1131,10 +1118,6 @@ def test_many_jobs_declared_differently_are_told_in_a_few_lines(db, caplog):
         return [r.getMessage() for r in caplog.records if "declared differently" in r.getMessage()]
 
     async def main():
-        a, b = make(db, instance="a"), make(db, instance="b")
-        for i in range(50):
-            a.every(f"job-{i:02}", "1h", lambda ctx: None, offset=QUIET)
-            b.every(f"job-{i:02}", "2h", lambda ctx: None, offset=QUIET)
         read = []
 
         def reading(original, since):
@@ -1142,7 +1125,10 @@ def test_many_jobs_declared_differently_are_told_in_a_few_lines(db, caplog):
             read.extend(rows)
             return rows
 
-        inject(a, jobs=reading)
+        a, b = make(db, instance="a", store=faulty(jobs=reading)), make(db, instance="b")
+        for i in range(50):
+            a.every(f"job-{i:02}", "1h", lambda ctx: None, offset=QUIET)
+            b.every(f"job-{i:02}", "2h", lambda ctx: None, offset=QUIET)
         async with a, b:
             await wait_for(lambda: len(told()) >= 8, message="both processes told")
             await b.pause("job-07")  # a change to a row in dispute, which ``a`` reads again
@@ -1354,7 +1340,8 @@ def test_a_look_computes_a_jobs_next_occurrence_once_per_watermark(db):
     calls = []
 
     async def main():
-        s = make(db)  # a look every 20 ms
+        looking, counted_looks = counting_looks()
+        s = make(db, store=looking)  # a look every 20 ms
         s.cron("nightly", "0 3 * * *", lambda ctx: None)
         schedule = s._jobs["nightly"].schedule
         original = schedule.next_after
@@ -1364,11 +1351,10 @@ def test_a_look_computes_a_jobs_next_occurrence_once_per_watermark(db):
             return original(ms)
 
         schedule.next_after = counted
-        looks = counting_looks(s)
         async with s:
-            await wait_for(lambda: len(looks) >= 20, message="twenty looks")
+            await wait_for(lambda: len(counted_looks) >= 20, message="twenty looks")
             assert (await s.status())[0].next_at is not None
-        return len(looks)
+        return len(counted_looks)
 
     looks = run(main())
     assert looks >= 20 and len(calls) <= 3, f"{len(calls)} computations in {looks} looks"
@@ -1385,7 +1371,7 @@ def test_a_change_made_by_another_process_is_read_alone_not_with_every_job(store
         return rows
 
     async def main():
-        s = inject(make(store), jobs=counted)
+        s = make(store, store=faulty(jobs=counted))
         for i in range(100):
             s.every(f"job-{i}", "24h", lambda ctx: None, offset=QUIET)
         async with s:
@@ -1469,9 +1455,9 @@ def test_a_watermark_moved_by_an_older_version_is_read_and_not_claimed_again_and
         return claim_due_many(*args)
 
     async def main():
-        s = inject(make(db, clock), claim_due_many=counted)
+        looking, looks = counting_looks(claim_due_many=counted)
+        s = make(db, clock, store=looking)
         s.every("hourly", "1h", lambda ctx: seen.append(ctx.slot))
-        looks = counting_looks(s)
         async with s:
             await wait_for(lambda: len(looks) >= 3, message="the first looks")
             slot = (int(clock.time()) // HOUR + 1) * HOUR * 1000
