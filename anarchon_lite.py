@@ -107,6 +107,7 @@ __all__ = [
     "Shutdown",
     "StoreError",
     "SystemClock",
+    "command_handler",
     "format_duration",
     "main",
     "parse_duration",
@@ -923,8 +924,8 @@ def _rule_text(rule: _rrule.rrule) -> str:
 ###############################################################################
 #
 # The records the scheduler and a store exchange, and the interface every store implements. The
-# scheduler makes its ``_Backend`` from its path once, in ``__init__``; past that it never opens a
-# file, reads /proc or names a lease clock.
+# scheduler is given its ``_Backend`` (``_store_at`` makes it from the path or URL, once); past that
+# it never opens a file, reads /proc or names a lease clock.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -5224,6 +5225,121 @@ def _is_async(function: Handler) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+def _where_blocked(jobs: dict[str, _Job], thread_id: int) -> str:
+    """Where the event loop's thread ``thread_id`` is blocked: the job whose handler it is in (of
+    ``jobs``), and the innermost line outside asyncio."""
+    frame = sys._current_frames().get(thread_id)
+    handlers = {job.handler.__code__: job.name for job in jobs.values() if hasattr(job.handler, "__code__")}
+    innermost = None
+    job_name = None
+    while frame is not None:
+        if innermost is None and not frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)):
+            innermost = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if frame.f_code in handlers:
+            job_name = handlers[frame.f_code]
+            break
+        frame = frame.f_back
+    return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
+
+
+_DISPUTES_TOLD = 3  # jobs declared differently elsewhere that a look names one by one (then one line for the rest)
+
+
+class _Declarations:
+    """The jobs this process declares: what ``every``, ``cron`` and ``rrule`` add, what a reload
+    puts in their place, the rows the store records for them, and the warnings when another process
+    declares one of them otherwise. The store link records them before its next call whenever
+    ``version`` has moved since it last did."""
+
+    def __init__(self, instance: str, clock: Clock):
+        self.instance = instance  #: the process that declares them
+        self._clock = clock
+        self.jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
+        self.version = 0  #: one more after each change of ``jobs``: the store records them again
+        self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
+
+    def declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
+        """Declare job ``name`` (``handler``'s, or the decorated function's: a decorator without one)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"job name must be a non-empty string, not {name!r}")
+        if not name.isprintable():
+            raise ConfigError(f"job name {name!r} has a line break or another control character")
+        if name in self.jobs:
+            raise ConfigError("a job with this name is already declared", job=name)
+        options = _options(name, given)
+
+        def register(function: Handler) -> Handler:
+            if not callable(function):
+                raise ConfigError(f"handler must be callable, not {function!r}", job=name)
+            if name in self.jobs:
+                raise ConfigError("a job with this name is already declared", job=name)
+            self.jobs[name] = _Job(name, schedule, function, options, _is_async(function))
+            self.version += 1
+            return function
+
+        return register if handler is None else register(handler)
+
+    def job(self, name: str) -> _Job:
+        """The job ``name``; ``JobNotFound`` if this process does not declare it."""
+        job = self.jobs.get(name)
+        if job is None:
+            raise JobNotFound("no such job is declared", job=name)
+        return job
+
+    def replace(self, jobs: dict[str, _Job]) -> None:
+        """Declare ``jobs`` instead of the current ones (a crontab read again)."""
+        self.jobs = jobs
+        self.version += 1
+
+    def agree_on(self, name: str, text: str) -> None:
+        """Make ``text`` part of what every process must declare alike for job ``name``."""
+        job = self.job(name)
+        job.definition = f"{job.schedule.description}: {text}"
+        self.version += 1
+
+    def rows(self, now: int) -> list[_Declared]:
+        """The declarations as the store records them (a job new to the store starts at ``now``,
+        and its next occurrence after now). Called on the store's thread."""
+        return [
+            _Declared(
+                job.name, job.schedule.description, now, None, job.definition, self.instance, job.schedule.next_after
+            )
+            for job in self.jobs.values()
+        ]
+
+    def disagree(self, rows: Iterable[_JobRow], outcome: str) -> None:
+        """Warn, once per definition, that another process declares jobs of ours differently: a
+        line for each of the first few, one for the rest (a deploy that changed a set of 10,000
+        jobs logs four lines, not 10,000)."""
+        disputed = []
+        for row in rows:
+            job = self.jobs.get(row.name)
+            if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
+                continue
+            self._disputes.add((row.name, row.definition))
+            disputed.append((row, job))
+        for row, job in disputed[:_DISPUTES_TOLD]:
+            _log.warning(
+                "job %r is declared differently by two processes: %s declares %r, this one (%s) %r; the file %s",
+                row.name,
+                row.declared_by or "another process",
+                row.definition,
+                self.instance,
+                job.definition,
+                outcome,
+            )
+        rest = [row.name for row, _ in disputed[_DISPUTES_TOLD:]]
+        if rest:
+            _log.warning(
+                "%d more jobs are declared differently by another process than by this one (%s): %s%s; the file %s",
+                len(rest),
+                self.instance,
+                ", ".join(map(repr, rest[:_DISPUTES_TOLD])),
+                ", ..." if len(rest) > _DISPUTES_TOLD else "",
+                outcome,
+            )
+
+
 ###############################################################################
 # The store, from the event loop ##############################################
 ###############################################################################
@@ -5253,18 +5369,16 @@ class _StoreLink:
     """How the scheduler, its checkpoints and its handlers' contexts reach the store: calls queued
     to one thread that owns the main connection, opened at the first call. While the scheduler runs
     (``held``) the thread stays between calls; otherwise each call closes it again, so a process
-    that calls ``status()`` now and then keeps no thread or connection in between. ``prepare`` runs
-    (on that thread, through the ``call`` it is given) before the first call on a connection and
-    again after ``prepared`` was cleared: the scheduler records its declarations there."""
+    that calls ``status()`` now and then keeps no thread or connection in between. The first call on
+    a connection, and the first after the declarations changed, records them in the store in the
+    same transaction's hop (registering and joining are one call)."""
 
-    def __init__(
-        self,
-        backend: _Backend,
-        prepare: Callable[[Callable[[Callable[[_Store], Any]], Awaitable[Any]]], Awaitable[None]],
-    ):
-        self.backend, self.prepare = backend, prepare
+    def __init__(self, backend: _Backend, declarations: _Declarations, clock: Clock):
+        self.backend = backend  #: where the state lives: opens every connection to it
+        self.declarations = declarations  #: what this process declares, recorded before other calls
+        self._clock = clock
         self.held = False  #: the scheduler runs: the thread and its connection stay between calls
-        self.prepared = False  #: ``prepare`` ran on this connection since the declarations changed
+        self._recorded: int | None = None  #: the declarations' version recorded on this connection
         self._thread: _StoreThread | None = None
         self._closing: _StoreThread | None = None  # the last one closed, ending
 
@@ -5279,19 +5393,33 @@ class _StoreLink:
             self._thread = _StoreThread(self.backend.main())
         thread = self._thread
         try:
-            if not self.prepared:
-                await self.prepare(thread.call)
-                self.prepared = True
-            return await thread.call(work)
+            declared = self.declarations
+            version = declared.version
+            if self._recorded == version or not declared.jobs:
+                self._recorded = version
+                return await thread.call(work)
+            now = _ms(self._clock.time())
+            rows: list[list[_JobRow]] = []
+
+            def record_first(store: _Store) -> T:
+                rows.append(store.register(declared.rows(now)))
+                return work(store)
+
+            try:
+                return await thread.call(record_first)
+            finally:
+                if rows:
+                    self._recorded = version
+                    declared.disagree(rows[0], "now holds this one's")
         finally:
             if not self.held:
                 self.close()
 
     async def disconnect(self) -> None:
-        """Close the connection and keep the thread: the next call connects again, and prepares."""
+        """Close the connection and keep the thread: the next call connects again, and records."""
         if self._thread is not None:
             await self._thread.call(lambda s: s.close())
-        self.prepared = False
+        self._recorded = None
 
     def close(self, wait: bool = False) -> None:
         """Close the connection and end the thread (after the calls queued before this one); with
@@ -5302,7 +5430,7 @@ class _StoreLink:
         if wait and self._closing is not None:
             self._closing.join()
             self._closing = None
-        self.prepared = False
+        self._recorded = None
 
 
 ###############################################################################
@@ -5836,6 +5964,25 @@ class _Runner:
             if job is None or attempt.claim.job == job:
                 attempt.token.abort(reason(attempt.claim.job))
 
+    def lose(self, why: str) -> None:
+        """This process's claim on its runs may be gone (``why``: the database was replaced, the
+        session holding its lock ended): abort every running attempt with ``LeaseLost``."""
+        self.abort(lambda job: LeaseLost(f"{job}: {why}"))
+
+    def judge(self, run: _RunRow) -> bool:
+        """The one place that decides from the store's view that an attempt of this process was
+        superseded (a newer attempt holds the run: ``LeaseLost``) or cancelled, and aborts it.
+        True when ``run`` is one of this process's running attempts (the loop leaves it alone)."""
+        mine = self.running.get((run.job, run.slot))
+        if mine is None:
+            return False
+        # The snapshot may predate our own claim; only a newer attempt means a takeover.
+        if run.attempt > mine.claim.attempt:
+            mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
+        elif run.cancel and run.attempt == mine.claim.attempt:
+            mine.token.abort(Cancelled(f"{run.job}: cancelled"))
+        return True
+
     def start(self, job: _Job, claim: _Claim) -> None:
         """Run the attempt that ``claim`` won, in a task of its own."""
         attempt = _Attempt(
@@ -6254,6 +6401,67 @@ def _replace_file(path: str, text: str) -> None:
         raise
 
 
+class _MetricsFile:
+    """The node_exporter textfile (``metrics_file``): rewritten whole at start, within a second of
+    each start and end of a run (one write a second at most), and at the stop."""
+
+    def __init__(self, link: _StoreLink, lateness: Callable[[], dict[str, float]], stopping: Callable[[], bool]):
+        self.path: str | None = None  #: the file, once kept
+        self._link = link
+        self._lateness = lateness  #: this process's renewal lateness, for the figures
+        self._stopping = stopping  #: whether the scheduler stops: no rewrite is begun then
+        self._task: asyncio.Task[None] | None = None  #: the rewrite in progress (or waiting)
+        self._again = False  #: something happened since it began: rewrite once more after it
+        self._failing: str | None = None  #: the error of the last write, while writes fail
+
+    def keep(self, path: str, events: _Events, runner: _Runner) -> None:
+        """Keep the file at ``path``: rewritten after each start (and each skipped or missed
+        occurrence recorded) that ``events`` tells, and each write of ends by ``runner``."""
+        if self.path is None:
+            events.listeners.append(lambda event: None if event.duration is not None else self.soon())
+            runner.ends_written = self.soon
+        self.path = path
+
+    def restart(self) -> None:
+        """A run begins: its first figures are written once it has joined (``first``)."""
+        self._task = None
+
+    def first(self) -> None:
+        """The first write of a run, once."""
+        if self.path is not None and self._task is None:
+            self.soon()
+
+    def soon(self) -> None:
+        """Rewrite the file: now, or (while one is written) a second after that one."""
+        if self._task is not None and not self._task.done():
+            self._again = True
+        elif self.path is not None and not self._stopping():
+            self._task = asyncio.get_running_loop().create_task(self._write(self.path))
+
+    async def last(self) -> None:
+        """The last figures, with nothing running here (at the stop)."""
+        if self.path is not None:
+            if self._task is not None:
+                self._task.cancel()
+            await self._write(self.path, again=False)
+
+    async def _write(self, path: str, again: bool = True) -> None:
+        while True:
+            self._again = False
+            try:
+                await self._link.call(lambda s: _replace_file(path, _prometheus(s.figures(), self._lateness())))
+                self._failing = None
+            except (StoreError, OSError) as exc:  # told once, until it works again
+                if str(exc) != self._failing:
+                    _log.warning("cannot write the metrics file %s: %s", path, exc)
+                    self._failing = str(exc)
+            if not again:
+                return
+            await asyncio.sleep(1.0)  # one write a second at most, however many runs end
+            if not self._again:
+                return
+
+
 ###############################################################################
 # Talking to systemd ##########################################################
 ###############################################################################
@@ -6343,8 +6551,12 @@ class _Notify:
 
 
 ###############################################################################
-# The scheduler ###############################################################
+# The scheduler loop ##########################################################
 ###############################################################################
+#
+# The engine under ``Scheduler``: while it serves, each look reads what changed in the store, fires
+# the occurrences that came due, claims pending runs and takes over those whose owner is gone, and
+# then sleeps until the next thing due or a change told by the store.
 
 _CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
@@ -6352,8 +6564,479 @@ _FULL_READ = 600.0  # seconds between reads of every job row (between them, only
 # After a look that fired occurrences, the next look waits this long (seconds), whatever wakes it: at
 # thousands of occurrences a minute, each look fires several together instead of one at a time.
 _LOOK_GAP = 0.02
-_DISPUTES_TOLD = 3  # jobs declared differently elsewhere that a look names one by one (then one line for the rest)
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
+
+
+class _Loop:
+    """What a running scheduler does: ``serve()`` joins the store's processes, looks at the store
+    again and again (``_tick``), sleeps between looks until something is due or a change is told,
+    and backs off while looks fail; at a stop it drains this process's attempts and leaves. Lives
+    on the event loop; its state is its own (``Scheduler`` reaches it through ``poke``, ``stop``,
+    ``rejoin`` and ``ready``)."""
+
+    def __init__(
+        self,
+        instance: str,
+        clock: Clock,
+        link: _StoreLink,
+        checkpoints: CheckpointStore,
+        events: _Events,
+        blocked_warning: float,
+        switch_interval: float | None,
+    ):
+        self.instance = instance  #: this process's id in the store
+        self._clock = clock  #: wall and monotonic time
+        self._link = link  #: the store, and every connection to it
+        self._declared = link.declarations  #: the jobs this process declares
+        self._events = events  #: what is told of runs (log lines and listeners)
+        #: this process's running attempts (it alone decides that one of them was superseded)
+        self.runner = _Runner(link, clock, instance, checkpoints, self.poke, events)
+        self._where = link.backend.where  #: the database, as messages name it
+        self._poll = link.backend.look_every  #: seconds between looks when nothing tells of changes
+        self._blocked_warning = blocked_warning  #: seconds of a blocked event loop before a warning
+        self._switch_interval = switch_interval  #: the GIL switch interval around renewals (None: left alone)
+        self.notify: _Notify | None = None  #: the service manager, when it is told (systemd)
+        self.metrics: _MetricsFile | None = None  #: the node_exporter textfile, when one is kept
+        self.stopping = False  #: a stop was asked: claim nothing more, drain, leave
+        self.ready: asyncio.Event | None = None  #: set after each look (``__aenter__`` waits for the first)
+        self.heartbeats: _Heartbeats | None = None  #: the thread that renews leases, from the last serve
+        self._watch: _Changes | None = None  #: the store's changes, while serving
+        self._wake: asyncio.Future[None] | None = None  #: resolved to end the current sleep
+        self._poked = False  #: woken since the look began: look again at once
+        self._written = False  #: the watch saw a write we may not see committed yet
+        self._backing_off = False  #: a look failed: sleep the back-off out whatever the store does
+        self._dirty = True  #: read the job rows and runs at the next look (after our own writes, to stop)
+        self._rejoin = False  #: join again at the next look (the declarations changed, or the store reopened)
+        self._clock_warned = False  #: the unset clock was told, until it is corrected
+        self._told: asyncio.TimerHandle | None = None  #: a wake-up for changes told within the read gap
+        self._idle = self._poll  #: seconds between looks with nothing due and nothing told
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """What the looks know, as a serve begins (and some of it after a reopen)."""
+        self._version = -1  #: the watch's version at the last read (-1: read at the next look)
+        self._agenda: _Agenda | None = None  #: the job rows as last read (None: read them whole)
+        self._whole_at = 0.0  #: when they were last read whole (monotonic)
+        self._busy_until = 0.0  #: no look before this (monotonic): see _LOOK_GAP
+        self._moved: dict[str, int] = {}  #: watermarks found moved by the last ``_fire``, by job
+        self._runs: list[_RunRow] | None = None  #: the unfinished runs as last read
+        self._newest = 0  #: the newest occurrence recorded in the store (ms)
+        self._wait = 0.0  #: seconds until the next look, as the last look found
+        self._delay = 0.0  #: seconds of back-off, while looks fail
+        self._recheck = 0.0  #: after a write seen by the watch: look again this soon
+        self._read_at = 0.0  #: when ``_runs`` was read (monotonic): their ``lease_left`` is as of then
+        self._watching = False  #: another process's run is watched with ``owner_gone`` as of that read
+        self._reread = 0.0  #: then read again this long after that read (seconds)
+        self._read_real = 0.0  #: the same read on the real monotonic clock (what coalescing reads costs)
+        self._failing: str | None = None  #: the error of the last look, while looks fail
+        self._logged = 0.0  #: when it was last logged (monotonic)
+
+    # -- waking ------------------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Look at the store again at once, and read it whole (after our own writes, or to stop)."""
+        self._dirty = True
+        self._wake_up()
+
+    def rejoin(self) -> None:
+        """Record what this process declares with it again (the declarations changed), and look."""
+        self._rejoin = True
+        self.poke()
+
+    def _wake_up(self) -> None:
+        self._poked = self._written = True
+        if self._wake is not None:
+            _resolve(self._wake)
+
+    def _store_written(self) -> None:
+        """Another process (or this one) wrote the store. While backing off after a failure, this
+        waits for the back-off: the failing writes themselves touch the file. Changes told within
+        the store's ``coalesce`` of the last read wake the loop once, when it has passed."""
+        if self._backing_off:
+            self._written = True
+            return
+        watch = self._watch
+        later = 0.0 if watch is None else self._read_real + watch.coalesce - time.monotonic()
+        if later <= 0:
+            self._wake_up()
+        elif self._told is None:
+            self._told = asyncio.get_running_loop().call_later(later, self._told_now)
+
+    def _told_now(self) -> None:
+        self._told = None
+        self._wake_up()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` on the loop's monotonic clock, or until ``poke()``."""
+        loop = asyncio.get_running_loop()
+        if seconds > 0 and not self._poked:
+            self._wake = loop.create_future()
+            handle = loop.call_later(seconds, _resolve, self._wake)
+            try:
+                await self._wake
+            finally:
+                handle.cancel()
+                self._wake = None
+
+    # -- serving -----------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Join, look until stopped, drain this process's attempts, leave."""
+        loop = asyncio.get_running_loop()
+        runner = self.runner
+        self._fresh()
+        # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
+        # connection that holds this process's lock), and no change after the join goes unseen.
+        self._watch = watch = self._link.backend.changes(loop, self._store_written, self.instance)
+        watch.vouch_for(lambda: bool(runner.running), runner.lose)
+        runner.started = watch.attempt_started
+        self._idle = _CLOCK_CHECK if watch.pushed else self._poll
+        timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
+        self.heartbeats = heartbeats = _Heartbeats(
+            self._link.backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
+        )
+        jobs = self._declared
+        watchdog = _Watchdog(loop, timers, self._clock, self._blocked_warning, lambda t: _where_blocked(jobs.jobs, t))
+        runner.begin(heartbeats, timers, watchdog)
+        timers.start()
+        heartbeats.start()
+        self._link.held = True
+        if self.metrics is not None:
+            self.metrics.restart()
+        if self.notify is not None:
+            self.notify.start_pings(loop)
+        joined = False  # (a process that never joined has nothing to leave)
+        try:
+            await self._join_first()
+            joined = True
+            self._poked = False
+            while not self.stopping:
+                await self._look_and_sleep()
+            self._stopping_told()
+            await runner.drain()
+            if self.metrics is not None:
+                await self.metrics.last()
+        finally:
+            if self.notify is not None:
+                self.notify.close()
+            watch.close()
+            self._watch = None
+            if self._told is not None:
+                self._told.cancel()
+                self._told = None
+            timers.stop()
+            heartbeats.stop()
+            if self._link.open and joined:
+                try:
+                    await self._link.call(lambda s: s.leave(self.instance))
+                except StoreError as exc:
+                    _log.warning("%s", exc)
+            self._link.held = False
+            self._link.close()
+
+    async def _look_and_sleep(self) -> None:
+        """One look (backing off if it fails), then the sleep until the next."""
+        self._poked = False  # a wake from now on means: look again after this tick
+        try:
+            await self._tick()
+        except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
+            self._back_off(exc)
+        else:
+            if self._failing is not None:
+                _log.warning("%s can be used again", self._where)
+                self._failing = None
+            self._delay = 0.0
+            self._backing_off = False
+        if self.ready is not None:
+            self.ready.set()
+        if self.notify is not None:
+            self.notify.status(self._doing())
+        if self.metrics is not None:  # the first, once joined
+            self.metrics.first()
+        await self._sleep(self._wait if not self._delay else self._delay)
+        busy = self._busy_until - self._clock.monotonic()
+        if busy > 0 and not self.stopping:  # what comes due meanwhile is fired together
+            await asyncio.sleep(busy)
+
+    def _doing(self) -> str:
+        """What this process is doing, in a line (systemd's ``STATUS=``)."""
+        text = f"{len(self._declared.jobs)} jobs, {len(self.runner.running)} running"
+        return text if self._failing is None else f"{text}; failing: {self._failing}"
+
+    def _stopping_told(self) -> None:
+        """Tell systemd that this process stops, and how long handing its runs over may take."""
+        if self.notify is None:
+            return
+        running = self.runner.running
+        fields = ["STOPPING=1"]
+        if running:
+            fields.append(f"EXTEND_TIMEOUT_USEC={int(self.runner.longest_drain() * 1e6)}")
+        self.notify.status(f"stopping: handing over {len(running)} running", *fields)
+
+    async def _join(self) -> bool:
+        """Record this process among the store's running instances, with what it declares (in the
+        same call, when the declarations changed); True if it is the only one."""
+        now_ms = _ms(self._clock.time())
+        declares = list(self._declared.jobs)
+        alone = await self._link.call(lambda s: s.join(self.instance, now_ms, declares))
+        self._rejoin = False
+        return alone
+
+    async def _join_first(self) -> None:
+        """Join the group; the first process of a group runs the jobs declared to run on start. A
+        server that cannot be reached yet is waited for (logged, with back-off); any other failure
+        to open the database is raised."""
+        now_ms = _ms(self._clock.time())
+        while not self.stopping:
+            try:
+                alone = await self._join()
+                break
+            except StoreError as exc:
+                if not exc.transient:
+                    raise
+                self._back_off(exc)
+                await self._sleep(self._delay)
+        else:
+            return
+        on_start = [job.name for job in self._declared.jobs.values() if isinstance(job.schedule, _OnStart)]
+        if alone and on_start:
+            await self._link.call(lambda s: [s.trigger(name, now_ms) for name in on_start])
+
+    def _back_off(self, exc: Exception) -> None:
+        self._delay = min(max(self._delay * 2, self._poll), 5.0)
+        self._backing_off = True
+        self._log_failure(exc)
+
+    def _log_failure(self, exc: Exception) -> None:
+        """Log a failed look: at once when it fails differently, else once a minute at most."""
+        now = self._clock.monotonic()
+        if str(exc) != self._failing or now - self._logged >= 60.0:
+            _log.error(
+                "%s (looking again in %s)", exc, format_duration(self._delay), exc_info=not isinstance(exc, StoreError)
+            )
+            self._failing, self._logged = str(exc), now
+
+    def lateness(self) -> dict[str, float]:
+        """This process's lease renewals' lateness over the last minute (99th percentile), if any."""
+        heartbeats = self.heartbeats
+        p99 = None if heartbeats is None else heartbeats.lateness.p99(self._clock.monotonic())
+        return {} if p99 is None else {self.instance: p99}
+
+    # -- one look at the store ---------------------------------------------------------------------
+
+    async def _tick(self) -> None:
+        watch = self._watch
+        assert watch is not None, "serving"
+        now = self._clock.time()
+        now_ms = _ms(now)
+        version = watch.version()  # microseconds on this thread; the store thread only on a change
+        change = watch.lost()
+        if change is not None:
+            await self._reopen(watch, change)
+        if self._rejoin:
+            await self._join()
+        written, self._written = self._written, False
+        self._recheck = watch.recheck(version != self._version, written, self._recheck)
+        stale = self._watching and self._clock.monotonic() >= self._read_at + self._reread - 0.01
+        deferred = 0.0  # a change told by another process, read this much later with the changes after it
+        if version != self._version and not self._dirty and self._runs is not None:
+            deferred = max(0.0, self._read_real + watch.coalesce - time.monotonic())
+        if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty):
+            self._dirty = False
+            await self._read()
+            self._version = version
+        elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
+            self._runs = await self._link.call(lambda s: s.runs())
+            self._read_at, self._read_real = self._clock.monotonic(), time.monotonic()
+        if self._clock_unset(now_ms):
+            self._wait = self._idle
+            return
+        jobs = self._declared.jobs
+        agenda = self._agenda
+        assert agenda is not None, "made by the first read"
+        if not agenda.current(jobs):
+            self._agenda = agenda = _Agenda(jobs, agenda.rows.values())
+        ready, wait = agenda.ready(now_ms, min(self._idle, self._recheck or self._idle))
+        if ready:
+            self._busy_until = self._clock.monotonic() + _LOOK_GAP
+            self._moved = await self._fire(ready, now_ms)
+            self._version = -1
+            wait = 0.0
+        self._watching, self._reread = False, self._poll
+        for run in self._runs or []:
+            again = await self._consider(run, now_ms, watch)
+            if again is not None:
+                wait = min(wait, again)
+                if again == 0.0:
+                    self._version = -1
+        self._wait = min(wait, deferred) if deferred else wait
+
+    def _clock_unset(self, now_ms: int) -> bool:
+        """Whether the clock reads earlier than the newest occurrence recorded (told once)."""
+        if now_ms >= self._newest - _CLOCK_SLACK_MS:
+            self._clock_warned = False
+            return False
+        if not self._clock_warned:
+            _log.warning(
+                "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
+                "until it is corrected",
+                _utc_from_ms(now_ms).isoformat(),
+                self._where,
+                _utc_from_ms(self._newest).isoformat(),
+            )
+            self._clock_warned = True
+        return True
+
+    async def _read(self) -> None:
+        """Read the runs, and the job rows changed since the last read (all of them at first, and
+        every ``_FULL_READ`` seconds: a process of an older version writes no change numbers)."""
+        agenda = self._agenda
+        whole = agenda is None or self._clock.monotonic() >= self._whole_at + _FULL_READ
+        since = -1 if agenda is None or whole else agenda.seen
+        jobs, runs, newest = await self._link.call(lambda s: (s.jobs(since), s.runs(), s.newest_slot()))
+        self._runs, self._read_at, self._read_real = runs, self._clock.monotonic(), time.monotonic()
+        self.runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
+        self._newest = newest or 0
+        self._declared.disagree(jobs, "holds that one's")
+        if agenda is None or whole:
+            self._agenda, self._whole_at = _Agenda(self._declared.jobs, jobs), self._read_at
+            return
+        agenda.update(jobs)
+        # A claim refused because the watermark moved, while the row read still has the old one: a
+        # writer of an older version moved it. Read those rows by name, or the look would try again.
+        behind = [
+            name for name, last in self._moved.items() if (seen := agenda.rows.get(name)) and seen.last_slot == last
+        ]
+        self._moved = {}
+        if behind:
+            again = await self._link.call(lambda s: [s.job(name) for name in behind])
+            agenda.update(row for row in again if row is not None)
+
+    async def _reopen(self, watch: _Changes, change: str) -> None:
+        """The state this process used is gone from view, or its claim on its runs may be (``change``
+        says which): the database file was deleted or replaced, or the connection holding this
+        process's lock was lost. Abort the attempts, close every connection, and carry on with what
+        the path names now (a file created anew if none; the server once it is back)."""
+        _log.error("%s: aborting this process's running attempts and opening the database again", change)
+        self.runner.lose(change)
+        watch.reset()
+        await self._link.disconnect()
+        if self.heartbeats is not None:
+            # No connection of this process may stay on the old file when the path is opened again:
+            # its -wal and -shm files keep their names, and a new connection would read them.
+            self.heartbeats.reopen()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.heartbeats.wait_closed, 5.0)
+        self._rejoin = True
+        self._dirty = True
+        self._version = -1
+        self._newest = 0
+        self._agenda = None
+
+    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
+        """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
+        miss), ``_CLAIM_BATCH`` jobs a transaction; the attempts won start between them, and each
+        process begins at a place of its own in the list, so that processes finding thousands
+        due at once share them. Returns the watermarks that had moved, by job."""
+        if len(ready) > _CLAIM_BATCH:
+            turn = zlib.crc32(self.instance.encode()) % len(ready)
+            ready = ready[turn:] + ready[:turn]
+        moved = {}
+        for start in range(0, len(ready), _CLAIM_BATCH):
+            if start:
+                await asyncio.sleep(0)  # the attempts just won start
+                if self.stopping:
+                    break
+                now_ms = _ms(self._clock.time())
+            moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
+        return moved
+
+    async def _claim_batch(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
+        """One transaction of ``_fire``: claim, start what was won, return what had moved."""
+        due = [_due(job, row.last_slot, now_ms) for job, row in batch]
+        claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
+        moved = {}
+        for (job, row), item, claim in zip(batch, due, claims):
+            if claim is _Claimless.MOVED:
+                moved[job.name] = row.last_slot
+                continue
+            if item.missed:
+                count = item.missed_count
+                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
+                self._events.tell(
+                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
+                )
+            if isinstance(claim, _Claim):
+                self.runner.start(job, claim)
+            elif item.run:
+                what = "skipped: the job's previous run is unfinished (overlap skip)"
+                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, what, status="skipped")
+        return moved
+
+    async def _consider(self, run: _RunRow, now_ms: int, watch: _Changes) -> float | None:
+        """Claim a pending run, take over one whose owner is gone, or let the runner judge one of
+        ours. ``run`` was read at ``_read_at`` (its ``lease_left`` is as of then).
+
+        Returns how many seconds from now the run needs another look (0 after a claim), or None.
+        """
+        if self.runner.judge(run):
+            return None
+        job = self._declared.jobs.get(run.job)
+        if (
+            job is None
+            or self.stopping
+            or (run.state == "running" and (run.job, run.slot, run.attempt) in self.runner.ended)
+        ):
+            return None  # (an attempt of ours that ended: its end is written, or about to be)
+        reason, gone = "", None
+        if run.state == "pending":
+            if run.not_before > now_ms:
+                return (run.not_before - now_ms) / 1000
+        else:
+            gone = watch.owner_gone(run)
+            left = (run.lease_left or 0.0) - (self._clock.monotonic() - self._read_at)
+            if gone is None and left >= 0:
+                # Watch the owner, and its lease: a store that judges owners only when it reads the
+                # runs has them read again at the next look (sooner when a free lock settles).
+                again = min(self._poll, left + 0.001, watch.settles_in(run))
+                if not watch.fresh_liveness:
+                    self._watching = True
+                    self._reread = min(self._reread, self._clock.monotonic() - self._read_at + again)
+                return again
+            reason = gone or "lease expired"
+        options = job.options
+        claim = await self._link.call(
+            lambda s: s.claim(
+                run,
+                self.instance,
+                options.lease,
+                now_ms,
+                options.max_attempts,
+                options.overlap == "skip",
+                reason,
+                owner_gone=gone is not None,
+            )
+        )
+        if claim is not None:
+            if run.state == "running":
+                what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
+                self._events.tell(
+                    logging.WARNING,
+                    "taken_over",
+                    run.job,
+                    claim.slot,
+                    claim.attempt,
+                    what,
+                    status="taken_over",
+                    error=reason,
+                )
+            self.runner.start(job, claim)
+        return 0.0
+
+
+###############################################################################
+# The scheduler ###############################################################
+###############################################################################
 
 
 class Scheduler:
@@ -6419,8 +7102,6 @@ class Scheduler:
             raise ConfigError(f"must be printable text of 1 to 200 characters, not {instance!r}", option="instance")
         self.instance = instance or f"{_safe_text(socket.gethostname())}-{os.getpid()}-{random.randrange(16**4):04x}"
         self._clock = clock or Clock()
-        self._blocked_warning = blocked_warning
-        self._switch_interval = switch_interval
         self._read_only = read_only
         if isinstance(store, _Backend):
             backend = store
@@ -6437,40 +7118,23 @@ class Scheduler:
             )
             if store is not None:
                 backend = store(backend)
-        self._poll = backend.look_every
         self._where = backend.where  # the database, as messages name it
-        self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
-        self._link = _StoreLink(backend, self._register)  #: the store, and every connection to it (``_link.backend``)
+        self._declared = _Declarations(self.instance, self._clock)  #: the jobs this process declares
+        self._link = _StoreLink(backend, self._declared, self._clock)  #: the store, and every connection to it
         self.checkpoints = CheckpointStore(self._link, self._clock)
-        self._events = _Events(self.instance)
-        self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke, self._events)
-        self._attempts = self._runner.running  #: this process's running attempts, by (job, slot)
-        self._signal_tasks: set[asyncio.Task[None]] = set()
-        self._main: asyncio.Task[None] | None = None
+        self._events = _Events(self.instance)  #: what is told of runs: log lines, ``on_event`` listeners
+        #: the engine: serves while ``run()`` runs (its ``runner``: this process's running attempts)
+        self._loop = _Loop(
+            self.instance, self._clock, self._link, self.checkpoints, self._events, blocked_warning, switch_interval
+        )
+        self._signal_tasks: set[asyncio.Task[None]] = set()  #: the stops that signals began
+        self._main: asyncio.Task[None] | None = None  #: the task that serves, while it does
         self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
         self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
-        self._stopping = False
-        self._wake: asyncio.Future[None] | None = None
-        self._poked = False
-        self._written = False  # the file watch saw a write we may not see committed yet
-        self._backing_off = False  #: a look failed: sleep the back-off out whatever the file does
-        self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
-        self._heartbeats: _Heartbeats | None = None
-        self._clock_warned = False
-        self._dirty = True
-        self._rejoin = False
-        self._ready: asyncio.Event | None = None
-        self._loop_state: _LoopState | None = None  #: the serving loop's state, while it serves
-        self._told: asyncio.TimerHandle | None = None  #: a wake-up for changes told within the read gap
-        self._idle = self._poll
-        self._systemd = _Notify(os.environ) if notify else None  #: the service manager, when it is told
-        #: the node_exporter textfile, rewritten at start and after each start and end of a run
-        self._metrics_file: str | None = None
-        self._metrics_task: asyncio.Task[None] | None = None  #: the rewrite in progress (or waiting)
-        self._metrics_again = False  #: something happened since it began: rewrite once more after it
-        self._metrics_failing: str | None = None
+        if notify:
+            self.notify_systemd()
         if metrics_file is not None:
-            self._keep_metrics(os.fspath(metrics_file))
+            self.keep_metrics(metrics_file)
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
@@ -6496,7 +7160,7 @@ class Scheduler:
         """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
         seconds = parse_duration(interval, job=name, option="interval")
         shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
-        return self._declare(name, _Every(seconds, shift), handler, options)
+        return self._declared.declare(name, _Every(seconds, shift), handler, options)
 
     @overload
     def cron(
@@ -6518,7 +7182,7 @@ class Scheduler:
         """Run ``handler`` on a 5-field cron schedule in zone ``tz`` (default: the local zone)."""
         if not isinstance(expr, str):
             raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
-        return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
+        return self._declared.declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
 
     @overload
     def rrule(
@@ -6547,32 +7211,52 @@ class Scheduler:
     ) -> Any:
         """Run ``handler`` on an RFC 5545 recurrence rule (string or ``dateutil.rrule.rrule``)."""
         zone = None if tz is None else _zone(tz, name)
-        return self._declare(name, _RRule(rule, zone, name), handler, options)
+        return self._declared.declare(name, _RRule(rule, zone, name), handler, options)
 
-    def _declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"job name must be a non-empty string, not {name!r}")
-        if not name.isprintable():
-            raise ConfigError(f"job name {name!r} has a line break or another control character")
-        if name in self._jobs:
-            raise ConfigError("a job with this name is already declared", job=name)
-        options = _options(name, given)
+    @overload
+    def on_start(self, name: str, handler: None = None, **options: Any) -> Callable[[H], H]: ...
 
-        def register(function: Handler) -> Handler:
-            if not callable(function):
-                raise ConfigError(f"handler must be callable, not {function!r}", job=name)
-            if name in self._jobs:
-                raise ConfigError("a job with this name is already declared", job=name)
-            self._jobs[name] = _Job(name, schedule, function, options, _is_async(function))
-            self._link.prepared = False
-            return function
+    @overload
+    def on_start(self, name: str, handler: H, **options: Any) -> H: ...
 
-        return register if handler is None else register(handler)
+    def on_start(self, name: str, handler: Handler | None = None, **options: Any) -> Any:
+        """Run ``handler`` once when a group of processes starts on the store (no other one
+        running): a crontab's ``@reboot``. Never on a clock; ``trigger`` runs it any time."""
+        return self._declared.declare(name, _OnStart(), handler, options)
+
+    def agree_on(self, name: str, text: str) -> None:
+        """Make ``text`` (a crontab entry's command) part of what every process declaring job
+        ``name`` must declare alike, besides its schedule: a process that declares it otherwise is
+        warned of, as for a different schedule. ``JobNotFound`` if this process does not declare it."""
+        self._declared.agree_on(name, text)
+
+    def declared(self) -> list[str]:
+        """The names of the jobs this process declares, in the order they were declared."""
+        return list(self._declared.jobs)
+
+    def describe(self, name: str) -> str:
+        """Job ``name``'s schedule as the store keeps it and ``status`` shows it (``every 1h``,
+        ``cron 0 3 * * * Europe/Athens``, ``@reboot``); ``JobNotFound`` if not declared here."""
+        return self._declared.job(name).schedule.description
+
+    def zone(self, name: str) -> _dt.tzinfo:
+        """The zone job ``name``'s occurrences are reckoned in: its cron or rrule zone; the local
+        zone for an interval or ``@reboot``. ``JobNotFound`` if not declared here."""
+        schedule = self._declared.job(name).schedule
+        return schedule.zone if isinstance(schedule, _Calendar) else _local_zone()
+
+    def replace_jobs(self, source: Scheduler) -> None:
+        """Declare the jobs that ``source`` declares (a ``Scheduler`` made only to declare them,
+        never run) instead of this one's, from its next look: what a reload on SIGHUP does with a
+        crontab read again. Safe while this scheduler runs, on its event loop's thread; attempts
+        already running carry on."""
+        self._declared.replace(source._declared.jobs)
+        self._loop.rejoin()
 
     def upcoming(self, name: str, count: int = 5, after: _dt.datetime | None = None) -> list[_dt.datetime]:
         """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now; a
         naive datetime counts as UTC), as aware UTC datetimes. Pure schedule math: no database."""
-        job = self._job(name)
+        job = self._declared.job(name)
         if after is None:
             cursor = _ms(self._clock.time())
         else:  # a naive datetime is taken as UTC, like every datetime this module returns
@@ -6585,77 +7269,6 @@ class Scheduler:
             found.append(_utc_from_ms(following))
             cursor = following
         return found
-
-    def _job(self, name: str) -> _Job:
-        job = self._jobs.get(name)
-        if job is None:
-            raise JobNotFound("no such job is declared", job=name)
-        return job
-
-    # -- the store ---------------------------------------------------------------------------------
-
-    async def _register(self, call: Callable[[Callable[[_Store], Any]], Awaitable[Any]]) -> None:
-        """Record this process's declarations in the store (``call`` runs on the store's thread),
-        before the first call on each connection and after the jobs changed."""
-        if not self._jobs:
-            return
-        now = _ms(self._clock.time())
-
-        def declare(store: _Store) -> list[_JobRow]:
-            declared = [  # (a job new to the file starts at now, and its next occurrence after now)
-                _Declared(
-                    job.name,
-                    job.schedule.description,
-                    now,
-                    None,
-                    job.definition,
-                    self.instance,
-                    job.schedule.next_after,
-                )
-                for job in self._jobs.values()
-            ]
-            return store.register(declared)
-
-        self._disagree(await call(declare), "now holds this one's")
-
-    def _replace_jobs(self, jobs: dict[str, _Job]) -> None:
-        """Declare ``jobs`` instead of the current ones (a crontab read again), from the next look."""
-        self._jobs = jobs
-        self._link.prepared = False
-        self._rejoin = True  # (what this process declares is recorded with it)
-        self._poke()
-
-    def _disagree(self, rows: Iterable[_JobRow], outcome: str) -> None:
-        """Warn, once per definition, that another process declares jobs of ours differently: a
-        line for each of the first few, one for the rest (a deploy that changed a set of 10,000
-        jobs logs four lines, not 10,000)."""
-        disputed = []
-        for row in rows:
-            job = self._jobs.get(row.name)
-            if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
-                continue
-            self._disputes.add((row.name, row.definition))
-            disputed.append((row, job))
-        for row, job in disputed[:_DISPUTES_TOLD]:
-            _log.warning(
-                "job %r is declared differently by two processes: %s declares %r, this one (%s) %r; the file %s",
-                row.name,
-                row.declared_by or "another process",
-                row.definition,
-                self.instance,
-                job.definition,
-                outcome,
-            )
-        rest = [row.name for row, _ in disputed[_DISPUTES_TOLD:]]
-        if rest:
-            _log.warning(
-                "%d more jobs are declared differently by another process than by this one (%s): %s%s; the file %s",
-                len(rest),
-                self.instance,
-                ", ".join(map(repr, rest[:_DISPUTES_TOLD])),
-                ", ..." if len(rest) > _DISPUTES_TOLD else "",
-                outcome,
-            )
 
     # -- control from any process ----------------------------------------------------------------
 
@@ -6676,7 +7289,7 @@ class Scheduler:
             return store.trigger(name, now)
 
         slot = await self._link.call(trigger)
-        self._poke()
+        self._loop.poke()
         return slot
 
     async def forget(self, name: str) -> None:
@@ -6703,13 +7316,13 @@ class Scheduler:
         now = _ms(self._clock.time())
         if not await self._link.call(lambda s: s.set_paused(name, paused, now)):
             raise JobNotFound("no such job in the database", job=name)
-        self._poke()
+        self._loop.poke()
 
     async def cancel(self, name: str) -> int:
         """Abort every unfinished run of ``name`` with ``Cancelled``, on whichever process holds it."""
         now = _ms(self._clock.time())
         count = await self._link.call(lambda s: s.cancel(name, now))
-        self._runner.abort(lambda job: Cancelled(f"{job}: cancelled"), name)
+        self._loop.runner.abort(lambda job: Cancelled(f"{job}: cancelled"), name)
         return count
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[RunRecord]:
@@ -6721,41 +7334,34 @@ class Scheduler:
         by status (counters: pruning the history keeps them), the newest start, success, failure
         and duration, the attempts running now; while this scheduler runs, also its lease
         renewals' lateness over the last minute (99th percentile)."""
-        return await self._link.call(lambda s: _prometheus(s.figures(), self._lateness()))
+        return await self._link.call(lambda s: _prometheus(s.figures(), self._loop.lateness()))
 
-    def _lateness(self) -> dict[str, float]:
-        heartbeats = self._heartbeats
-        p99 = None if heartbeats is None else heartbeats.lateness.p99(self._clock.monotonic())
-        return {} if p99 is None else {self.instance: p99}
+    def keep_metrics(self, path: str | os.PathLike) -> None:  # type: ignore[type-arg]
+        """Keep the node_exporter textfile at ``path`` while this scheduler runs, as
+        ``metrics_file=`` does: rewritten whole at start, within a second of each start and end of
+        an attempt, and at the stop, with what ``prometheus()`` returns. A failed write is logged
+        once (until one works again) and never stops the scheduler."""
+        loop = self._loop
+        if loop.metrics is None:
+            loop.metrics = _MetricsFile(self._link, loop.lateness, lambda: loop.stopping)
+        loop.metrics.keep(os.fspath(path), self._events, loop.runner)
 
-    def _keep_metrics(self, path: str) -> None:
-        if self._metrics_file is None:  # a start, a skipped or missed occurrence once recorded; an end once written
-            self._events.listeners.append(lambda event: None if event.duration is not None else self._metrics_soon())
-            self._runner.ends_written = self._metrics_soon
-        self._metrics_file = path
+    def notify_systemd(self) -> None:
+        """Talk to systemd while this scheduler runs, as ``notify=True`` does, when
+        ``$NOTIFY_SOCKET`` is set (a service of ``Type=notify``): ``READY=1`` once joined,
+        ``STATUS=`` after each look, ``STOPPING=1`` with the time the hand-over may take, and
+        ``WATCHDOG=1`` from the event loop when ``WatchdogSec=`` is set. For the process that
+        systemd runs as the service itself. Once is enough; again does nothing."""
+        if self._loop.notify is None:
+            self._loop.notify = _Notify(os.environ)
 
-    def _metrics_soon(self) -> None:
-        """Rewrite the metrics file: now, or (while one is written) a second after that one."""
-        if self._metrics_task is not None and not self._metrics_task.done():
-            self._metrics_again = True
-        elif self._metrics_file is not None and not self._stopping:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._write_metrics(self._metrics_file))
-
-    async def _write_metrics(self, path: str, again: bool = True) -> None:
-        while True:
-            self._metrics_again = False
-            try:
-                await self._link.call(lambda s: _replace_file(path, _prometheus(s.figures(), self._lateness())))
-                self._metrics_failing = None
-            except (StoreError, OSError) as exc:  # told once, until it works again
-                if str(exc) != self._metrics_failing:
-                    _log.warning("cannot write the metrics file %s: %s", path, exc)
-                    self._metrics_failing = str(exc)
-            if not again:
-                return
-            await asyncio.sleep(1.0)  # one write a second at most, however many runs end
-            if not self._metrics_again:
-                return
+    def share_group(self) -> None:
+        """Trust the SQLite file, its -wal and -shm, the lease board and the liveness directory
+        when they belong to one of this process's groups, as ``shared_group=True`` does (the
+        README's "Trust model"), from the next connection on. Nothing on PostgreSQL."""
+        backend = self._link.backend
+        if isinstance(backend, _SQLite):
+            backend.shared_group = True
 
     async def status(self) -> list[JobStatus]:
         """Every job in the file: schedule, next occurrence, state, newest record and unfinished runs."""
@@ -6767,7 +7373,7 @@ class Scheduler:
             runs_of.setdefault(run.job, []).append(run)
         result = []
         for row in jobs:
-            declared = self._jobs.get(row.name)
+            declared = self._declared.jobs.get(row.name)
             following = row.next_slot if declared is None else declared.next_due(row.last_slot)
             if declared is not None and following is not None and following <= now_ms:  # due: the one after now
                 following = declared.schedule.next_after(now_ms)
@@ -6783,7 +7389,7 @@ class Scheduler:
         """Run the scheduler until ``stop()`` (or SIGTERM/SIGINT, when on the main thread)."""
         if self._read_only:
             raise ConfigError("a read-only scheduler only looks at the file: it cannot run", option="read_only")
-        self._stopping = False  # a stop from now on, even while starting, is kept
+        self._loop.stopping = False  # a stop from now on, even while starting, is kept
         loop = asyncio.get_running_loop()
         installed = []
         if threading.current_thread() is threading.main_thread():
@@ -6794,16 +7400,16 @@ class Scheduler:
                 except (NotImplementedError, RuntimeError):
                     pass
         self._main = asyncio.current_task()
-        self._ready = asyncio.Event()
+        self._loop.ready = asyncio.Event()
         try:
-            await self._serve()
+            await self._loop.serve()
         finally:
             for signum in installed:
                 loop.remove_signal_handler(signum)
 
     def _on_signal(self, signum: int) -> None:
-        hurry = self._runner.hurry
-        if self._stopping and hurry is not None:
+        hurry = self._loop.runner.hurry
+        if self._loop.stopping and hurry is not None:
             if not hurry.is_set():
                 _log.warning("received %s again: cutting the grace short", signal.Signals(signum).name)
                 hurry.set()
@@ -6815,9 +7421,9 @@ class Scheduler:
 
     async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
         """Start the scheduler in the background; returns once it has looked at the file once."""
-        self._stopping = False
-        self._ready = ready = asyncio.Event()
-        self._main = asyncio.get_running_loop().create_task(self._serve())
+        self._loop.stopping = False
+        self._loop.ready = ready = asyncio.Event()
+        self._main = asyncio.get_running_loop().create_task(self._loop.serve())
         waiter = asyncio.ensure_future(ready.wait())
         await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -6831,10 +7437,10 @@ class Scheduler:
     async def stop(self, grace: DurationLike = 10.0) -> None:
         """Stop claiming work, abort running handlers with ``Shutdown``, wait up to ``grace`` for
         them, and hand their runs over to the next process (another live one takes them at once)."""
-        self._runner.grace = parse_duration(grace, option="grace")
-        self._stopping = True
-        self._runner.abort(lambda _job: Shutdown(f"{self.instance} is stopping"))
-        self._poke()
+        self._loop.runner.grace = parse_duration(grace, option="grace")
+        self._loop.stopping = True
+        self._loop.runner.abort(lambda _job: Shutdown(f"{self.instance} is stopping"))
+        self._loop.poke()
         main = self._main
         if main is not None and main is not asyncio.current_task():
             await asyncio.wait({main})
@@ -6895,401 +7501,8 @@ class Scheduler:
             self.stop_thread()
         elif self._main is not None and not self._main.done():
             raise ConfigError("this scheduler is running: stop() it before close()")
-        self._runner.join_threads(10.0)
+        self._loop.runner.join_threads(10.0)
         self._link.close(wait=True)
-
-    def _poke(self) -> None:
-        """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
-        self._dirty = True
-        self._wake_up()
-
-    def _wake_up(self) -> None:
-        self._poked = self._written = True
-        if self._wake is not None:
-            _resolve(self._wake)
-
-    def _file_written(self) -> None:
-        """Another process (or this one) wrote the file. While backing off after a failure, this
-        waits for the back-off: the failing writes themselves touch the file. Changes told within
-        the store's ``coalesce`` of the last read wake the loop once, when it has passed."""
-        if self._backing_off:
-            self._written = True
-            return
-        state = self._loop_state
-        later = 0.0 if state is None else state.read_real + state.watch.coalesce - time.monotonic()
-        if later <= 0:
-            self._wake_up()
-        elif self._told is None:
-            self._told = asyncio.get_running_loop().call_later(later, self._told_now)
-
-    def _told_now(self) -> None:
-        self._told = None
-        self._wake_up()
-
-    async def _join(self) -> bool:
-        """Record this process among the file's running instances; True if it is the only one."""
-        now_ms = _ms(self._clock.time())
-        declares = list(self._jobs)
-        alone = await self._link.call(lambda s: s.join(self.instance, now_ms, declares))
-        self._rejoin = False
-        return alone
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
-        # connection that holds this process's lock), and no change after the join goes unseen.
-        loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self.instance))
-        loop_state.watch.vouch_for(
-            lambda: bool(self._attempts), lambda why: self._runner.abort(lambda job: LeaseLost(f"{job}: {why}"))
-        )
-        self._runner.started = loop_state.watch.attempt_started
-        self._loop_state = loop_state
-        self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
-        timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
-        self._heartbeats = heartbeats = _Heartbeats(
-            self._link.backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
-        )
-        self._runner.begin(
-            heartbeats, timers, _Watchdog(loop, timers, self._clock, self._blocked_warning, self._describe_block)
-        )
-        timers.start()
-        heartbeats.start()
-        self._link.held = True
-        self._metrics_task = None  # (a run after a stop writes its first figures again)
-        if self._systemd is not None:
-            self._systemd.start_pings(loop)
-        joined = False  # (a process that never joined has nothing to leave)
-        try:
-            await self._join_first(loop_state)
-            joined = True
-            self._poked = False
-            while not self._stopping:
-                self._poked = False  # a wake from now on means: look again after this tick
-                try:
-                    await self._tick(loop_state)
-                except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
-                    self._back_off(loop_state, exc)
-                else:
-                    if loop_state.failing is not None:
-                        _log.warning("%s can be used again", self._where)
-                        loop_state.failing = None
-                    loop_state.delay = 0.0
-                    self._backing_off = False
-                if self._ready is not None:
-                    self._ready.set()
-                if self._systemd is not None:
-                    self._systemd.status(self._doing(loop_state))
-                if self._metrics_file is not None and self._metrics_task is None:  # the first, once joined
-                    self._metrics_soon()
-                await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
-                busy = loop_state.busy_until - self._clock.monotonic()
-                if busy > 0 and not self._stopping:  # what comes due meanwhile is fired together
-                    await asyncio.sleep(busy)
-            self._stopping_told()
-            await self._runner.drain()
-            if self._metrics_file is not None:  # the last figures, with nothing running here
-                if self._metrics_task is not None:
-                    self._metrics_task.cancel()
-                await self._write_metrics(self._metrics_file, again=False)
-        finally:
-            if self._systemd is not None:
-                self._systemd.close()
-            loop_state.watch.close()
-            self._loop_state = None
-            if self._told is not None:
-                self._told.cancel()
-                self._told = None
-            timers.stop()
-            heartbeats.stop()
-            if self._link.open and joined:
-                try:
-                    await self._link.call(lambda s: s.leave(self.instance))
-                except StoreError as exc:
-                    _log.warning("%s", exc)
-            self._link.held = False
-            self._link.close()
-
-    def _doing(self, state: _LoopState) -> str:
-        """What this process is doing, in a line (systemd's ``STATUS=``)."""
-        text = f"{len(self._jobs)} jobs, {len(self._attempts)} running"
-        return text if state.failing is None else f"{text}; failing: {state.failing}"
-
-    def _stopping_told(self) -> None:
-        """Tell systemd that this process stops, and how long handing its runs over may take."""
-        if self._systemd is None:
-            return
-        fields = ["STOPPING=1"]
-        if self._attempts:
-            fields.append(f"EXTEND_TIMEOUT_USEC={int(self._runner.longest_drain() * 1e6)}")
-        self._systemd.status(f"stopping: handing over {len(self._attempts)} running", *fields)
-
-    async def _join_first(self, state: _LoopState) -> None:
-        """Join the group; the first process of a group runs the jobs declared to run on start. A
-        server that cannot be reached yet is waited for (logged, with back-off); any other failure
-        to open the database is raised."""
-        now_ms = _ms(self._clock.time())
-        while not self._stopping:
-            try:
-                alone = await self._join()
-                break
-            except StoreError as exc:
-                if not exc.transient:
-                    raise
-                self._back_off(state, exc)
-                await self._sleep(state.delay)
-        else:
-            return
-        on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
-        if alone and on_start:
-            await self._link.call(lambda s: [s.trigger(name, now_ms) for name in on_start])
-
-    def _back_off(self, state: _LoopState, exc: Exception) -> None:
-        state.delay = min(max(state.delay * 2, self._poll), 5.0)
-        self._backing_off = True
-        self._log_failure(state, exc)
-
-    def _log_failure(self, state: _LoopState, exc: Exception) -> None:
-        """Log a failed look: at once when it fails differently, else once a minute at most."""
-        now = self._clock.monotonic()
-        if str(exc) != state.failing or now - state.logged >= 60.0:
-            _log.error(
-                "%s (looking again in %s)", exc, format_duration(state.delay), exc_info=not isinstance(exc, StoreError)
-            )
-            state.failing, state.logged = str(exc), now
-
-    async def _sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` on the loop's monotonic clock, or until ``_poke()``."""
-        loop = asyncio.get_running_loop()
-        if seconds > 0 and not self._poked:
-            self._wake = loop.create_future()
-            handle = loop.call_later(seconds, _resolve, self._wake)
-            try:
-                await self._wake
-            finally:
-                handle.cancel()
-                self._wake = None
-
-    # -- one look at the file ---------------------------------------------------------------------
-
-    async def _tick(self, state: _LoopState) -> None:
-        now = self._clock.time()
-        now_ms = _ms(now)
-        version = state.watch.version()  # microseconds on this thread; the store thread only on a change
-        change = state.watch.lost()
-        if change is not None:
-            await self._reopen(state, change)
-        if self._rejoin:
-            await self._join()
-        written, self._written = self._written, False
-        state.recheck = state.watch.recheck(version != state.version, written, state.recheck)
-        stale = state.watching and self._clock.monotonic() >= state.read_at + state.reread - 0.01
-        deferred = 0.0  # a change told by another process, read this much later with the changes after it
-        if version != state.version and not self._dirty and state.runs is not None:
-            deferred = max(0.0, state.read_real + state.watch.coalesce - time.monotonic())
-        if deferred == 0.0 and (version != state.version or state.runs is None or self._dirty):
-            self._dirty = False
-            await self._read(state)
-            state.version = version
-        elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
-            state.runs = await self._link.call(lambda s: s.runs())
-            state.read_at, state.read_real = self._clock.monotonic(), time.monotonic()
-        if now_ms < state.newest - _CLOCK_SLACK_MS:
-            if not self._clock_warned:
-                _log.warning(
-                    "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
-                    "until it is corrected",
-                    _utc_from_ms(now_ms).isoformat(),
-                    self._where,
-                    _utc_from_ms(state.newest).isoformat(),
-                )
-                self._clock_warned = True
-            state.wait = self._idle
-            return
-        self._clock_warned = False
-        agenda = state.agenda
-        assert agenda is not None, "made by the first read"
-        if not agenda.current(self._jobs):
-            state.agenda = agenda = _Agenda(self._jobs, agenda.rows.values())
-        ready, wait = agenda.ready(now_ms, min(self._idle, state.recheck or self._idle))
-        if ready:
-            state.busy_until = self._clock.monotonic() + _LOOK_GAP
-            state.moved = await self._fire(ready, now_ms)
-            state.version = -1
-            wait = 0.0
-        state.watching, state.reread = False, self._poll
-        for run in state.runs or []:
-            again = await self._consider(run, now_ms, state)
-            if again is not None:
-                wait = min(wait, again)
-                if again == 0.0:
-                    state.version = -1
-        state.wait = min(wait, deferred) if deferred else wait
-
-    async def _read(self, state: _LoopState) -> None:
-        """Read the runs, and the job rows changed since the last read (all of them at first, and
-        every ``_FULL_READ`` seconds: a process of an older version writes no change numbers)."""
-        agenda = state.agenda
-        whole = agenda is None or self._clock.monotonic() >= state.whole_at + _FULL_READ
-        since = -1 if agenda is None or whole else agenda.seen
-        jobs, runs, newest = await self._link.call(lambda s: (s.jobs(since), s.runs(), s.newest_slot()))
-        state.runs, state.read_at, state.read_real = runs, self._clock.monotonic(), time.monotonic()
-        self._runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
-        state.newest = newest or 0
-        self._disagree(jobs, "holds that one's")
-        if agenda is None or whole:
-            state.agenda, state.whole_at = _Agenda(self._jobs, jobs), state.read_at
-            return
-        agenda.update(jobs)
-        # A claim refused because the watermark moved, while the row read still has the old one: a
-        # writer of an older version moved it. Read those rows by name, or the look would try again.
-        behind = [
-            name for name, last in state.moved.items() if (seen := agenda.rows.get(name)) and seen.last_slot == last
-        ]
-        state.moved = {}
-        if behind:
-            again = await self._link.call(lambda s: [s.job(name) for name in behind])
-            agenda.update(row for row in again if row is not None)
-
-    async def _reopen(self, state: _LoopState, change: str) -> None:
-        """The state this process used is gone from view, or its claim on its runs may be (``change``
-        says which): the database file was deleted or replaced, or the connection holding this
-        process's lock was lost. Abort the attempts, close every connection, and carry on with what
-        the path names now (a file created anew if none; the server once it is back)."""
-        _log.error("%s: aborting this process's running attempts and opening the database again", change)
-        self._runner.abort(lambda job: LeaseLost(f"{job}: {change}"))
-        state.watch.reset()
-        await self._link.disconnect()
-        if self._heartbeats is not None:
-            # No connection of this process may stay on the old file when the path is opened again:
-            # its -wal and -shm files keep their names, and a new connection would read them.
-            self._heartbeats.reopen()
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self._heartbeats.wait_closed, 5.0)
-        self._rejoin = True
-        self._dirty = True
-        state.version = -1
-        state.newest = 0
-        state.agenda = None
-
-    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
-        """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
-        miss), ``_CLAIM_BATCH`` jobs a transaction; the attempts won start between them, and each
-        process begins at a place of its own in the list, so that processes finding thousands
-        due at once share them. Returns the watermarks that had moved, by job."""
-        if len(ready) > _CLAIM_BATCH:
-            turn = zlib.crc32(self.instance.encode()) % len(ready)
-            ready = ready[turn:] + ready[:turn]
-        moved = {}
-        for start in range(0, len(ready), _CLAIM_BATCH):
-            if start:
-                await asyncio.sleep(0)  # the attempts just won start
-                if self._stopping:
-                    break
-                now_ms = _ms(self._clock.time())
-            moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
-        return moved
-
-    async def _claim_batch(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
-        """One transaction of ``_fire``: claim, start what was won, return what had moved."""
-        due = [_due(job, row.last_slot, now_ms) for job, row in batch]
-        claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
-        moved = {}
-        for (job, row), item, claim in zip(batch, due, claims):
-            if claim is _Claimless.MOVED:
-                moved[job.name] = row.last_slot
-                continue
-            if item.missed:
-                count = item.missed_count
-                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
-                self._events.tell(
-                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
-                )
-            if isinstance(claim, _Claim):
-                self._runner.start(job, claim)
-            elif item.run:
-                what = "skipped: the job's previous run is unfinished (overlap skip)"
-                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, what, status="skipped")
-        return moved
-
-    async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
-        """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
-        ``run`` was read at ``state.read_at`` (its ``lease_left`` is as of then).
-
-        Returns how many seconds from now the run needs another look (0 after a claim), or None.
-        """
-        mine = self._attempts.get((run.job, run.slot))
-        if mine is not None:
-            # The snapshot may predate our own claim; only a newer attempt means a takeover.
-            if run.attempt > mine.claim.attempt:
-                mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
-            elif run.cancel and run.attempt == mine.claim.attempt:
-                mine.token.abort(Cancelled(f"{run.job}: cancelled"))
-            return None
-        job = self._jobs.get(run.job)
-        if (
-            job is None
-            or self._stopping
-            or (run.state == "running" and (run.job, run.slot, run.attempt) in self._runner.ended)
-        ):
-            return None  # (an attempt of ours that ended: its end is written, or about to be)
-        reason, gone = "", None
-        if run.state == "pending":
-            if run.not_before > now_ms:
-                return (run.not_before - now_ms) / 1000
-        else:
-            gone = state.watch.owner_gone(run)
-            left = (run.lease_left or 0.0) - (self._clock.monotonic() - state.read_at)
-            if gone is None and left >= 0:
-                # Watch the owner, and its lease: a store that judges owners only when it reads the
-                # runs has them read again at the next look (sooner when a free lock settles).
-                again = min(self._poll, left + 0.001, state.watch.settles_in(run))
-                if not state.watch.fresh_liveness:
-                    state.watching = True
-                    state.reread = min(state.reread, self._clock.monotonic() - state.read_at + again)
-                return again
-            reason = gone or "lease expired"
-        options = job.options
-        claim = await self._link.call(
-            lambda s: s.claim(
-                run,
-                self.instance,
-                options.lease,
-                now_ms,
-                options.max_attempts,
-                options.overlap == "skip",
-                reason,
-                owner_gone=gone is not None,
-            )
-        )
-        if claim is not None:
-            if run.state == "running":
-                what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
-                self._events.tell(
-                    logging.WARNING,
-                    "taken_over",
-                    run.job,
-                    claim.slot,
-                    claim.attempt,
-                    what,
-                    status="taken_over",
-                    error=reason,
-                )
-            self._runner.start(job, claim)
-        return 0.0
-
-    def _describe_block(self, thread_id: int) -> str:
-        frame = sys._current_frames().get(thread_id)
-        handlers = {job.handler.__code__: job.name for job in self._jobs.values() if hasattr(job.handler, "__code__")}
-        innermost = None
-        job_name = None
-        while frame is not None:
-            if innermost is None and not frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)):
-                innermost = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            if frame.f_code in handlers:
-                job_name = handlers[frame.f_code]
-                break
-            frame = frame.f_back
-        return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
 
 
 class Control:
@@ -7340,27 +7553,6 @@ class Control:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-@dataclasses.dataclass
-class _LoopState:
-    watch: _Changes  # what the loop asks between transactions, on its own thread
-    version: int = -1
-    agenda: _Agenda | None = None  # the job rows as last read (None: read them whole)
-    whole_at: float = 0.0  # when they were last read whole (monotonic)
-    busy_until: float = 0.0  # no look before this (monotonic): see _LOOK_GAP
-    moved: dict[str, int] = dataclasses.field(default_factory=dict)  # from the last ``_fire``
-    runs: list[_RunRow] | None = None
-    newest: int = 0
-    wait: float = 0.0
-    delay: float = 0.0
-    recheck: float = 0.0  # after a write seen by the file watch: look again this soon
-    read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
-    watching: bool = False  # another process's run is watched with ``owner_gone`` as of that read
-    reread: float = 0.0  # then read again this long after that read (seconds)
-    read_real: float = 0.0  # the same read on the real monotonic clock (what coalescing reads costs)
-    failing: str | None = None  # the error of the last look, while looks fail
-    logged: float = 0.0  # when it was last logged (monotonic)
 
 
 ###############################################################################
@@ -7557,47 +7749,52 @@ def _find_program(name: str, path: str) -> str | None:
 
 def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
     for entry in entries:
-        handler = _command_handler(entry.command, entry.env, entry.on_failure)
+        handler = command_handler(entry.command, entry.env, entry.on_failure)
         try:
             if entry.kind == "every":
                 scheduler.every(entry.name, entry.spec, handler, **entry.options)
             elif entry.kind == "reboot":
-                scheduler._declare(entry.name, _OnStart(), handler, entry.options)
+                scheduler.on_start(entry.name, handler, **entry.options)
             else:
                 tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
                 scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
         except ConfigError as exc:
             raise CrontabError(path, entry.line, str(exc)) from None
-        job = scheduler._jobs[entry.name]
-        job.definition = f"{job.schedule.description}: {entry.command}"
+        scheduler.agree_on(entry.name, entry.command)
 
 
-def _command_handler(
-    command: str, env: dict[str, str], on_failure: str | None = None
+def command_handler(
+    command: str, env: dict[str, str] | None = None, on_failure: str | None = None
 ) -> Callable[[RunContext], Awaitable[str]]:
-    """A handler that runs ``$SHELL -c command`` in a process group of its own, one copy at a time.
+    """A handler that runs ``$SHELL -c command`` in a process group of its own, one copy at a time:
+    what ``crontab`` declares for each entry, for a front end of one's own.
 
-    Before it starts, the process group of an earlier attempt of the same run (a takeover after a
-    crash) is ended if it still lives on this host. The command waits at a gate until its group is
-    recorded with the run, and a reaper outside the group ends the group if this process dies. The
-    run ends when the shell exits; what it leaves in its group is ended and the output says so.
+    ``env`` is added to this process's environment (``SHELL`` in it names the shell; default
+    ``/bin/sh``). Before it starts, the process group of an earlier attempt of the same run (a
+    takeover after a crash) is ended if it still lives on this host. The command waits at a gate
+    until its group is recorded with the run, and a reaper outside the group ends the group if this
+    process dies. The run ends when the shell exits; what it leaves in its group is ended and the
+    output says so. An abort (timeout, cancel, shutdown) sends SIGTERM to the group, then SIGKILL
+    after 5 s. A non-zero exit raises ``CommandFailed``; the handler returns the end of the
+    output (kept with the record). ``on_failure``: a command run after an attempt that failed.
     """
+    extra = {} if env is None else dict(env)
 
     me = _this_owner("")  # this process: its boot and pid namespace say where a recorded group can be seen
     hooks: set[asyncio.Task[None]] = set()  # on_failure commands still running
 
     def after_failure(ctx: RunContext, status: str, code: int | None, output: str) -> None:
         if on_failure is not None:
-            task = asyncio.ensure_future(_run_on_failure(on_failure, env, ctx, status, code, output))
+            task = asyncio.ensure_future(_run_on_failure(on_failure, extra, ctx, status, code, output))
             hooks.add(task)
             task.add_done_callback(hooks.discard)
 
     async def run_command(ctx: RunContext) -> str:
-        shell = env.get("SHELL", "/bin/sh")
+        shell = extra.get("SHELL", "/bin/sh")
         nonce = os.urandom(16).hex()  # this attempt's, kept in its process-group record
         variables = {
             **os.environ,
-            **env,
+            **extra,
             "ANARCHON_JOB": ctx.job,
             "ANARCHON_SLOT": str(ctx.slot),
             "ANARCHON_ATTEMPT": str(ctx.attempt),
@@ -8211,14 +8408,14 @@ def _check_crontab(path: str) -> None:
     scheduler = Scheduler(os.devnull)  # (declared only: never opened)
     _declare_crontab(scheduler, entries, path)
     for entry in entries:
-        job = scheduler._jobs[entry.name]
-        if isinstance(job.schedule, _OnStart):
+        description = scheduler.describe(entry.name)
+        if entry.kind == "reboot":
             upcoming = "when the group of processes starts"
         else:
-            zone = job.schedule.zone if isinstance(job.schedule, _Calendar) else _local_zone()
+            zone = scheduler.zone(entry.name)
             times = scheduler.upcoming(entry.name, count=3)
             upcoming = ", ".join(t.astimezone(zone).isoformat(timespec="seconds") for t in times)
-        print(f"{path}:{entry.line}: {entry.name}: {job.schedule.description}: next {upcoming or 'never'}")
+        print(f"{path}:{entry.line}: {entry.name}: {description}: next {upcoming or 'never'}")
     print(f"{path}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, no errors")
 
 
@@ -8230,20 +8427,20 @@ def _run_crontab(scheduler: Scheduler, path: str) -> None:
         except (ConfigError, OSError) as exc:
             _log.error("SIGHUP: keeping the current table: %s", exc)
             return
-        scheduler._replace_jobs(fresh._jobs)
-        _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh._jobs))
+        scheduler.replace_jobs(fresh)
+        _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh.declared()))
 
-    _serve(scheduler, reload)
+    _run_until_stopped(scheduler, reload)
 
 
 def _run_target(scheduler: Scheduler, target: str) -> None:
     def reload() -> None:
         _log.info("SIGHUP: nothing to reload for run %s (restart the process to load new code)", target)
 
-    _serve(scheduler, reload)
+    _run_until_stopped(scheduler, reload)
 
 
-def _serve(scheduler: Scheduler, on_sighup: Callable[[], None]) -> None:
+def _run_until_stopped(scheduler: Scheduler, on_sighup: Callable[[], None]) -> None:
     """Run ``scheduler`` on a new event loop; SIGHUP calls ``on_sighup`` (it never kills the process)."""
 
     async def serve() -> None:
@@ -8518,12 +8715,11 @@ def _command(args: argparse.Namespace) -> int:
                 f"--db {given}: `run` uses the database its Scheduler names ({scheduler.path}); "
                 "drop --db, or name that database in the module (Scheduler(os.environ['ANARCHON_DB']) reads $ANARCHON_DB)"
             )
-        if args.shared_group and isinstance(scheduler._link.backend, _SQLite):
-            scheduler._link.backend.shared_group = True
-        if scheduler._systemd is None:  # the command line is the service: it talks to systemd
-            scheduler._systemd = _Notify(os.environ)
+        if args.shared_group:
+            scheduler.share_group()
+        scheduler.notify_systemd()  # the command line is the service: it talks to systemd
         if args.metrics_file:
-            scheduler._keep_metrics(args.metrics_file)
+            scheduler.keep_metrics(args.metrics_file)
         _run_target(scheduler, args.target)
         return 0
     if args.command == "crontab" and args.check:

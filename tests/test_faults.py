@@ -169,7 +169,7 @@ def test_a_failing_checkpoint_write_names_the_store_and_the_attempt_succeeds_onc
             await s.trigger("first")
             await wait_for(lambda: finished(s, "first"), message="the first record")
             slot = await s.trigger("export")
-            await wait_for(lambda: s._attempts, message="the export to start")
+            await wait_for(lambda: s._loop.runner.running, message="the export to start")
             outage.on = True
             go.set()
             await wait_for(lambda: len(errors) >= 3, message="failed writes")
@@ -209,7 +209,7 @@ def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog, monkeypatch
             await wait_for(lambda: len(seen) == 1, message="the run to start")
             async with b:
                 await asyncio.get_running_loop().run_in_executor(None, hold_lock, db, 1.5)
-                renewed = a._heartbeats.lateness.samples
+                renewed = a._loop.heartbeats.lateness.samples
                 before = len(renewed)
                 # renewals land again once the lock is free (two rounds: b watches the run meanwhile)
                 await wait_for(lambda: len(renewed) >= before + 2, message="renewals after the lock")
@@ -287,7 +287,7 @@ def test_full_disk_while_running(db, monkeypatch):
             await s.trigger("first")
             await wait_for(lambda: finished(s, "first"), message="the first record")
             slot = await s.trigger("export")
-            await wait_for(lambda: s._attempts, message="the export to start")
+            await wait_for(lambda: s._loop.runner.running, message="the export to start")
             disk.fill()
             go.set()
             await wait_for(lambda: len(errors) >= 3, message="failed writes")

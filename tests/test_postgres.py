@@ -67,7 +67,7 @@ def test_a_terminated_session_aborts_the_owner_at_once_and_another_process_takes
             await a.trigger("work")
             await wait_for(lambda: ("a", 1, "start") in events, message="attempt 1 on a")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 loop = asyncio.get_running_loop()
                 ended = loop.time()
                 assert await loop.run_in_executor(None, terminate_session_of, url, "a") == [(True,)]
@@ -77,7 +77,7 @@ def test_a_terminated_session_aborts_the_owner_at_once_and_another_process_takes
                 taken = loop.time() - ended
                 await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
                 # a reconnects, locks again and goes on working: the next run goes to whichever claims it
-                await wait_for(lambda: a._ready.is_set() and _identity(a).held.is_set(), message="a back")
+                await wait_for(lambda: a._loop.ready.is_set() and _identity(a).held.is_set(), message="a back")
                 slot = await a.trigger("work")
                 await wait_for(lambda: any(e[2] == "start" and e[1] == 1 for e in events[3:]), message="next run")
                 assert slot
@@ -287,15 +287,15 @@ def test_a_partitioned_owner_loses_its_run_after_the_lease_and_its_writes_are_re
             await a.trigger("work")
             await wait_for(lambda: ("a", 1, "start") in events, message="attempt 1 on a")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 proxy.freeze()
                 frozen = loop.time()
                 await wait_for(lambda: ("b", 2, "start") in events, timeout=15, message="b to take over")
                 taken = loop.time() - frozen
                 await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
-                aborted = a._attempts and next(iter(a._attempts.values())).token.reason
+                aborted = a._loop.runner.running and next(iter(a._loop.runner.running.values())).token.reason
                 proxy.thaw()
-                await wait_for(lambda: not a._attempts, timeout=30, message="a's attempt to end")
+                await wait_for(lambda: not a._loop.runner.running, timeout=30, message="a's attempt to end")
         assert isinstance(aborted, LeaseLost), aborted  # by a's own clock, inside the partition
         assert 1.0 < taken < 2.0 + 1.5, f"taken over {taken:.2f} s after the partition (lease 2 s)"
         [(value, by)] = sql(url, "SELECT value, attempt FROM checkpoints")
@@ -435,14 +435,14 @@ def test_a_lock_session_ended_where_its_owner_cannot_see_it_never_gives_two_hand
             await a.trigger("work")
             await wait_for(lambda: len(working["a"]) > 10, message="attempt 1 at work on a")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 proxy.freeze()
                 assert terminate_session_of(url, "a") == [(True,)]
                 ended = time.monotonic()
                 await wait_for(lambda: working["b"], timeout=15, message="b to take over")
                 await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
                 proxy.thaw()
-                await wait_for(lambda: not a._attempts, timeout=30, message="a's attempt to end")
+                await wait_for(lambda: not a._loop.runner.running, timeout=30, message="a's attempt to end")
         overlap = working["a"][-1] - working["b"][0]
         assert overlap < 0, f"both handlers worked for {overlap:.3f} s"
         assert working["b"][0] - ended < 5.0, "taken over by the lease, not by the free lock"
@@ -513,7 +513,7 @@ def test_through_pgbouncer_in_session_mode_every_occurrence_runs_once_and_an_end
             slot = await a.trigger("hold")
             await wait_for(lambda: ("hold", slot, "a", 1) in events, message="a to run hold")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 slots = [await b.trigger("work") for _ in range(5)]
                 await wait_for(lambda: sum(e[0] == "work" for e in events) >= 5, message="five runs")
                 assert sorted(e[1] for e in events if e[0] == "work") == slots  # each once
@@ -695,7 +695,7 @@ def test_changes_told_in_a_burst_are_read_together(url):
             s.every("burst", "24h", lambda ctx: None, offset=QUIET)
         await a.pause("burst")  # (the triggered runs stay pending: b reads them, runs nothing)
         async with b:
-            await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+            await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
             began = time.monotonic()
             for _ in range(100):
                 await a.trigger("burst")

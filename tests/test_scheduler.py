@@ -507,13 +507,13 @@ def test_graceful_stop_hands_over_with_checkpoint(db):
             await wait_for(lambda: any(e[2] == "start" for e in log))
             await wait_for(
                 lambda: (
-                    a.checkpoints.get("export", log[0][3] if False else next(iter(a._attempts))[1])
-                    if a._attempts
+                    a.checkpoints.get("export", log[0][3] if False else next(iter(a._loop.runner.running))[1])
+                    if a._loop.runner.running
                     else False
                 )
             )
             await asyncio.sleep(0.3)
-            slot = next(iter(a._attempts))[1]
+            slot = next(iter(a._loop.runner.running))[1]
             assert await a.checkpoints.get("export", slot) == 4
             async with b:
                 await a.stop(grace=5)
@@ -536,7 +536,7 @@ def test_stop_without_peer_leaves_the_run_for_the_next_start(db):
 
         async with a:
             await a.trigger("job")
-            await wait_for(lambda: a._attempts)
+            await wait_for(lambda: a._loop.runner.running)
             await a.stop(grace="200ms")
         assert [st for _, _, st in await statuses(a)] == ["interrupted"]
         b = make(db, instance="b")
@@ -566,7 +566,7 @@ def test_plain_function_handler_ignoring_shutdown_is_fenced_off(db):
 
         async with a:
             await a.trigger("stuck")
-            await wait_for(lambda: a._attempts)
+            await wait_for(lambda: a._loop.runner.running)
             await a.stop(grace="100ms")
             assert [st for _, _, st in await statuses(a)] == ["interrupted"]
             await asyncio.get_running_loop().run_in_executor(None, finished.wait, 10)
@@ -601,7 +601,7 @@ def test_lease_expiry_takeover_fences_the_old_attempt(db, lease_clock):
         async with a:
             await a.trigger("work")
             await wait_for(lambda: events == [("a", 1)])
-            a._heartbeats.stop()  # a freezes: no more renewals
+            a._loop.heartbeats.stop()  # a freezes: no more renewals
             async with b:
                 await expire(clock, lease + 1)
                 await wait_for(lambda: ("b", 2) in events)
@@ -633,8 +633,8 @@ def test_max_attempts(db, lease_clock):
         c.every("job", "1h", lambda ctx: None, max_attempts=1, lease="1s")
         async with b:
             await b.trigger("job")
-            await wait_for(lambda: b._attempts)
-            b._heartbeats.stop()
+            await wait_for(lambda: b._loop.runner.running)
+            b._loop.heartbeats.stop()
             async with c:
                 await expire(clock, 2)
                 await wait_for(lambda: has(c, "job", "failed"))
@@ -694,7 +694,7 @@ def test_shutdown_is_not_swallowed_by_except_exception(db):
 
         async with s:
             await s.trigger("batch")
-            await wait_for(lambda: s._attempts)
+            await wait_for(lambda: s._loop.runner.running)
             await s.stop(grace=2)
         assert seen == [] and [st for _, _, st in await statuses(s)] == ["interrupted"]
 
@@ -726,7 +726,7 @@ def test_bad_declarations():
     with pytest.raises(ConfigError) as info:  # True equals 1, and is no count)
         s.every("t", "1h", lambda ctx: None, retries=True)
     assert (info.value.job, info.value.option) == ("t", "retries")
-    assert set(s._jobs) == {"dup", "ok"}
+    assert set(s.declared()) == {"dup", "ok"}
 
 
 def test_decorator_and_call_forms():
@@ -738,7 +738,7 @@ def test_decorator_and_call_forms():
 
     s.every("export-2", "1h", backup, timeout=50 * 60)
     s.rrule("report", "FREQ=MONTHLY;BYDAY=-1FR;BYHOUR=17;BYMINUTE=0", backup)
-    assert set(s._jobs) == {"backup", "export-2", "report"} and s._jobs["backup"].is_async
+    assert set(s._declared.jobs) == {"backup", "export-2", "report"} and s._declared.jobs["backup"].is_async
 
 
 def test_blocked_loop_warning_names_the_job(db, caplog):
@@ -888,7 +888,7 @@ def test_the_switch_interval_is_lowered_only_around_renewals(db):
                 await asyncio.sleep(0.001)
 
         def rounds(s):
-            return len(s._heartbeats.lateness.samples) if s._heartbeats else 0
+            return len(s._loop.heartbeats.lateness.samples) if s._loop.heartbeats else 0
 
         sampler = asyncio.ensure_future(sample())
         try:
@@ -1003,7 +1003,7 @@ def test_a_handler_swallowing_cancellation_is_closed_and_the_stop_hands_it_over(
             s.every("stubborn", "24h", stubborn, offset=QUIET, grace="200ms")
         async with a:
             await a.trigger("stubborn")
-            await wait_for(lambda: a._attempts)
+            await wait_for(lambda: a._loop.runner.running)
             async with b:
                 started = time.monotonic()
                 await a.stop(grace="200ms")
@@ -1051,7 +1051,7 @@ def test_history_pruning_keeps_the_record_of_a_run_in_progress(db, clock):
         s.every("long", "1h", lambda ctx: release.wait(10), overlap="skip")
         async with s:
             slot = await s.trigger("long")
-            await wait_for(lambda: s._attempts)
+            await wait_for(lambda: s._loop.runner.running)
             for _ in range(5):  # skipped, one after another, while the run goes on
                 await s.trigger("long")
             await wait_for(lambda: has(s, "long", "skipped", 2))
@@ -1170,7 +1170,7 @@ def test_a_short_lease_started_beside_a_long_one_is_renewed_in_time(db):
 
         async with a:
             await a.trigger("long")
-            await wait_for(lambda: a._attempts, message="the long run")
+            await wait_for(lambda: a._loop.runner.running, message="the long run")
             await a.trigger("short")
             await wait_for(lambda: ("a", 1) in started, message="the short run on a")
             async with b:
@@ -1343,7 +1343,7 @@ def test_a_look_computes_a_jobs_next_occurrence_once_per_watermark(db):
         looking, counted_looks = counting_looks()
         s = make(db, store=looking)  # a look every 20 ms
         s.cron("nightly", "0 3 * * *", lambda ctx: None)
-        schedule = s._jobs["nightly"].schedule
+        schedule = s._declared.jobs["nightly"].schedule
         original = schedule.next_after
 
         def counted(ms):
@@ -1486,7 +1486,7 @@ def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed
                 await s.trigger(name)
             for name in names:
                 await wait_for(lambda name=name: has(s, name, "succeeded"), message=f"{name} to succeed")
-            lost = s._heartbeats.lateness.lost
+            lost = s._loop.heartbeats.lateness.lost
         for name in names:
             assert [(a, st) for _, a, st in await statuses(s, name)] == [(1, "succeeded")]
         assert lost == 0
