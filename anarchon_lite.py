@@ -26,6 +26,24 @@ lets it continue::
     asyncio.run(scheduler.run())
 """
 
+# The map: sections in dependency order (a name is defined before it is used), each under a banner.
+#
+#   Errors, Durations and clocks, Cancellation, Schedules      the pure parts: no I/O
+#   The store interface                                        what the scheduler asks of a store
+#   Files this process trusts, Processes on this host          ownership of files; /proc, groups, liveness
+#   The SQL stores                                             the statements both stores share
+#   The SQLite file, The lease board, The SQLite store         the default store (one host)
+#   The PostgreSQL store, PostgreSQL: locks and changes        the store of many hosts
+#   Choosing the store                                         _store_at: from a path or URL to a store
+#   Leases and heartbeats                                      the renewing thread, timers, the watchdog
+#   Jobs and options, The store from the event loop            declarations; calls queued to the store
+#   The run context and checkpoints, Running an attempt        what a handler gets; _Runner
+#   Planning occurrences, Metrics, Talking to systemd          what is due; Prometheus text; sd_notify
+#   The scheduler loop                                         _Loop: join, look, fire, claim, take over
+#   The scheduler                                              Scheduler (the public face) and Control
+#   Shell commands in process groups, Crontab files            what ``crontab`` runs, and reads
+#   The command line                                           ``python -m anarchon_lite``
+
 from __future__ import annotations
 
 import abc
@@ -1019,17 +1037,17 @@ class _Claim:
     failures: int = 0
 
 
-class _Claimless(enum.Enum):
+class _NotClaimed(enum.Enum):
     """What ``claim_due_many`` did for a job when it did not claim a run of it."""
 
     MOVED = "moved"  # another process moved the job's watermark first: nothing was written
     RECORDED = "recorded"  # the occurrence was recorded without running: skipped, or missed
 
 
-_Claimed = Union[_Claim, _Claimless]
+_Claimed = Union[_Claim, _NotClaimed]
 
 
-class _Then(enum.Enum):
+class _AfterEnd(enum.Enum):
     """What becomes of a run after an attempt ends."""
 
     DONE = "done"  # the run is over
@@ -1060,7 +1078,7 @@ class _End:
     status: str
     error: str | None
     now_ms: int
-    then: _Then = _Then.DONE
+    then: _AfterEnd = _AfterEnd.DONE
     not_before: int = 0
     output: str | None = None
 
@@ -1429,15 +1447,15 @@ class _Backend(abc.ABC):
     polled: bool = False
 
     @abc.abstractmethod
-    def main(self) -> _Store:
+    def control_store(self) -> _Store:
         """The scheduler's own store: claims, ends, checkpoints, control; durable when a call returns."""
 
     @abc.abstractmethod
-    def heartbeat(self) -> _Store:
+    def renewal_store(self) -> _Store:
         """The heartbeat thread's: renewals that wait for contention as briefly as they can."""
 
     @abc.abstractmethod
-    def fallback(self) -> _Store | _AsyncRenewal | None:
+    def loop_renewal(self) -> _Store | _AsyncRenewal | None:
         """The event loop's fallback renewal: a store whose calls never block, or renewals awaited
         on the loop; None if there can be none."""
 
@@ -1446,6 +1464,378 @@ class _Backend(abc.ABC):
         """The loop's view of changes, for the scheduler ``instance`` of this process (open from
         before it joins until it has left); when ``polled``, ``on_change`` is never called for
         other processes' writes."""
+
+
+###############################################################################
+# Files this process trusts ###################################################
+###############################################################################
+
+
+# Trust (the README's "Trust model"): the files this process acts on must be its own. A database, its
+# -wal and -shm, the lease board or the liveness directory that another user owns, or that users
+# other than the owner may write, could make this process run, skip or record what they choose: it
+# is refused, as OpenSSH's StrictModes and cron refuse such files. With ``shared_group`` (an app
+# user and a deploy user in one group) a file whose group is one of this process's groups is
+# trusted whoever owns it, and that group may write it; a file every user may write never is. A
+# directory that holds them belongs to this user or to root (or, shared, to the group) and may be
+# written by others only if it is sticky (/tmp): there only a file's owner can remove or replace it.
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    import grp
+
+    try:
+        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _distrust(status: os.stat_result, shared_group: bool, directory: bool = False) -> str | None:
+    """The rule that a file (or directory) of ``status`` breaks, as the end of a sentence; None if
+    this process may trust it (see above)."""
+    me, mode = os.geteuid(), status.st_mode
+    if directory != stat.S_ISDIR(mode) or not (directory or stat.S_ISREG(mode)):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "a special file"
+        return "is not a directory" if directory else f"is {kind}, not a regular file"
+    group = shared_group and status.st_gid in {os.getegid(), *os.getgroups()}
+    if status.st_uid != me and not group and not (directory and status.st_uid == 0):
+        return f"is owned by {_user(status.st_uid)}, not by this process's {_user(me)}"
+    if directory and mode & stat.S_ISVTX:
+        return None  # (only a file's owner may remove or rename it)
+    if mode & stat.S_IWOTH:
+        return "may be written by every user"
+    if mode & stat.S_IWGRP and not group:
+        return f"may be written by its group, {_group(status.st_gid)} (shared_group=True, --shared-group, trusts it)"
+    return None
+
+
+def _check_trusted(path: str, what: str, status: os.stat_result, shared_group: bool, directory: bool = False) -> None:
+    """Raise ``StoreError`` naming ``path`` (``what`` it is) and the rule, if it is not to be trusted."""
+    rule = _distrust(status, shared_group, directory)
+    if rule is not None:
+        raise _Refused(path, f"{what} {rule}: refused (see the README's Trust model)")
+
+
+def _what(suffix: str) -> str:
+    """How a message names the database file (``""``) or the file beside it with ``suffix``."""
+    return f"the database's {suffix} file" if suffix else "the database file"
+
+
+def _opened(paths: Iterable[str]) -> dict[str, list[os.stat_result]] | None:
+    """The files this process has open under each of ``paths`` (absolute, links resolved), as the
+    open files themselves say (``/proc/self/fd``: not what the paths name now); None without /proc."""
+    wanted: dict[str, list[os.stat_result]] = {path: [] for path in paths}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target in wanted:
+                wanted[target].append(os.stat(f"/proc/self/fd/{name}"))
+        except OSError:
+            continue  # (closed meanwhile)
+    return wanted
+
+
+def _create_file(path: str, shared_group: bool) -> bool:
+    """Create ``path`` empty, owner-only (with ``shared_group``, its group's too), never through a
+    link planted at its name; False if it existed."""
+    mode = 0o660 if shared_group else 0o600
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        return False
+    try:
+        os.fchmod(fd, mode)  # (past the umask)
+    finally:
+        os.close(fd)  # (a new file: this process holds no lock on it that closing would drop)
+    return True
+
+
+###############################################################################
+# Processes on this host ######################################################
+###############################################################################
+#
+# Whether a process still exists (``/proc``: a zombie is gone, a reused pid is told apart by its
+# start time, other pid namespaces and boots are never judged by pid), the process groups of
+# commands, and liveness sockets: an owner's death told by the kernel the moment it happens.
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
+    fields = _process_stat(pid)
+    return None if fields is None else (fields[0], int(fields[19]))
+
+
+def _process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
+    text = _read_text(f"/proc/{pid}/stat")
+    return None if text is None else text[text.rfind(")") + 2 :].split()
+
+
+def _group_record(pgid: int, me: _Owner, nonce: str) -> str:
+    """What identifies a process group that this process just started: its id, the leader's start
+    time (a reused pid is told apart), the boot, the pid namespace, and the nonce of the marker in
+    its command's environment (JSON, kept with the run)."""
+    started = _process_start(pgid)
+    start = started[1] if started else None
+    return json.dumps({"pgid": pgid, "start": start, "boot": me.boot_id, "ns": me.namespace, "run": nonce})
+
+
+def _group_members(pgid: int) -> list[str]:
+    """``pid name`` of the live processes of process group ``pgid`` (Linux: from /proc; elsewhere
+    only whether there are any)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        return ["processes of another user"]
+    if not os.path.isdir("/proc/self"):
+        return ["processes"]
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _process_stat(int(name))
+            if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
+                found.append(f"{name} ({comm})")
+    return found
+
+
+def _this_owner(instance: str) -> _Owner:
+    pid = os.getpid()
+    started = _process_start(pid)
+    namespace = None
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return _Owner(
+        instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id")
+    )
+
+
+def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
+    """Why the process ``owner`` no longer exists, or None when it may be alive.
+
+    Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
+    or a pid now used by a process that started at another time.
+    """
+    if owner.boot_id and me.boot_id and owner.boot_id != me.boot_id:
+        return "the owner's host rebooted"
+    if owner.namespace is None or owner.namespace != me.namespace or me.start is None:
+        return None
+    state = _process_start(owner.pid)
+    if state is None:
+        return f"owner process {owner.pid} exited"
+    if state[0] in ("Z", "X"):
+        return f"owner process {owner.pid} exited (zombie)"
+    if owner.start is not None and state[1] != owner.start:
+        return f"owner process {owner.pid} exited (pid reused)"
+    return None
+
+
+def _live_name(owner: _Owner) -> str:
+    """The name of ``owner``'s liveness socket: one scheduler instance of one process (a reused pid,
+    or the same instance name in a later process, names another)."""
+    key = "\0".join(str(part) for part in (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id))
+    return "p-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass
+class _Watched:
+    """A connection to another process's liveness socket."""
+
+    sock: socket.socket | None  #: None once the owner's socket closed (or before any connection)
+    ended: bool = False  #: the kernel closed the owner's socket while connected
+    asked: float = 0.0  #: when (``time.monotonic``) a run of this owner was last asked about
+
+
+class _Liveness:
+    """Owners' deaths as the kernel tells them, the moment they happen, on one host.
+
+    While it serves, each scheduler listens on a unix socket of its own in the directory beside the
+    database (``jobs.db-live/``); nothing is ever accepted. A process watching one of its runs
+    connects once; when the owner's process ends, however it ends (``kill -9`` included), the
+    kernel closes the listening socket, the watcher's connection turns readable, the loop is woken
+    (``on_change``) and the owner is gone. No ``/proc`` is needed, so it holds across pid namespaces
+    (containers sharing the volume). A frozen owner keeps its socket open: its lease decides. An
+    owner whose socket cannot be found (a directory it could not write) is judged as before:
+    ``/proc`` and the lease. One descriptor per watched owner, closed when it ends or is not
+    asked about for ``_FORGET`` seconds; no thread.
+    """
+
+    _FORGET = 60.0
+
+    def __init__(
+        self, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], shared_group: bool = False
+    ):
+        self._dir = _real_path(path) + "-live"
+        self._shared_group = shared_group
+        self._loop, self._on_change = loop, on_change
+        self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
+        self._listener: socket.socket | None = None
+        self._own: tuple[str, int] | None = None  # our socket's name and inode
+        self._watched: dict[str, _Watched] = {}
+        self._forgot = time.monotonic()
+
+    def _where(self, name: str) -> str:
+        path = os.path.join(self._dir, name)
+        if len(os.fsencode(path)) < 100 or self._dir_fd is None:
+            return path
+        return f"/proc/self/fd/{self._dir_fd}/{name}"
+
+    def _open_dir(self) -> bool:
+        """Open the directory (made owner-only, or its group's too when shared); ``StoreError`` if
+        this process may not trust it: whoever may write it could plant a socket that lies about
+        who is alive."""
+        if self._dir_fd is None:
+            mode = 0o770 if self._shared_group else 0o700
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self._dir, mode)  # (never through a link: mkdir does not follow one)
+                    os.chmod(self._dir, mode)  # (past the umask)
+                fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                return False
+            try:
+                _check_trusted(self._dir, "the liveness directory", os.fstat(fd), self._shared_group, directory=True)
+            except StoreError:
+                os.close(fd)
+                raise
+            self._dir_fd = fd
+        return True
+
+    def listen(self, me: _Owner) -> None:
+        """Listen as ``me`` (before joining: a run of ours is never recorded before the socket is
+        there), and sweep away the sockets of processes that have ended."""
+        if not hasattr(socket, "AF_UNIX") or not self._open_dir():
+            return
+        name = _live_name(me)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            fresh = self._where(f"{name}.new")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fresh)
+            listener.bind(fresh)
+            if self._shared_group:
+                os.chmod(fresh, 0o770)  # (its group's processes connect to it)
+            listener.listen(socket.SOMAXCONN)
+            os.replace(fresh, self._where(name))  # a name that exists is always listened on
+            self._own = (name, os.stat(self._where(name)).st_ino)
+        except OSError as exc:
+            listener.close()
+            _log.debug("no liveness socket in %s: %s", self._dir, exc)
+            return
+        self._listener = listener
+        self._sweep(name)
+
+    def _sweep(self, own: str) -> None:
+        try:
+            names = [n for n in os.listdir(self._dir) if n.startswith("p-") and "." not in n and n != own]
+        except OSError:
+            return
+        for name in names:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            try:
+                probe.connect(self._where(name))
+            except ConnectionRefusedError:  # nobody listens: its process ended
+                with contextlib.suppress(OSError):
+                    os.unlink(self._where(name))
+            except OSError:
+                pass
+            finally:
+                probe.close()
+
+    def gone(self, owner: _Owner) -> str | None:
+        """Why ``owner``'s process has ended, by its socket; None while it may be alive."""
+        try:
+            if not self._open_dir():
+                return None
+        except StoreError:
+            return None  # (said when listening)
+        now = time.monotonic()
+        if now - self._forgot > self._FORGET / 4:
+            self._forget(now)
+        name = _live_name(owner)
+        watched = self._watched.setdefault(name, _Watched(None))
+        watched.asked = now
+        if watched.sock is not None:
+            return None
+        # (again after an end: a later scheduler of the same instance name in the same process
+        # listens on the same name, and its runs are its own)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            sock.connect(self._where(name))
+        except ConnectionRefusedError:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._where(name))
+            return f"owner process {owner.pid} exited (nothing listens on its liveness socket)"
+        except FileNotFoundError:
+            sock.close()
+            return f"owner process {owner.pid} exited (its liveness socket closed)" if watched.ended else None
+        except OSError:
+            sock.close()
+            return None
+        watched.sock = sock
+        self._loop.add_reader(sock.fileno(), self._ended, name)
+        return None
+
+    def _ended(self, name: str) -> None:
+        watched = self._watched.get(name)
+        if watched is None or watched.sock is None:
+            return
+        self._drop(watched)
+        watched.ended = True
+        self._on_change()
+
+    def _drop(self, watched: _Watched) -> None:
+        if watched.sock is not None:
+            self._loop.remove_reader(watched.sock.fileno())
+            watched.sock.close()
+            watched.sock = None
+
+    def _forget(self, now: float) -> None:
+        self._forgot = now
+        for name, watched in list(self._watched.items()):
+            if now - watched.asked > self._FORGET:
+                self._drop(watched)
+                del self._watched[name]
+
+    def close(self) -> None:
+        """Stop listening (our socket's name is removed) and watching."""
+        for watched in self._watched.values():
+            self._drop(watched)
+        self._watched.clear()
+        if self._listener is not None and self._own is not None:
+            name, inode = self._own
+            with contextlib.suppress(OSError):
+                if os.stat(self._where(name)).st_ino == inode:  # (not a later listener's of the same name)
+                    os.unlink(self._where(name))
+            self._listener.close()
+            self._listener = self._own = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
 
 ###############################################################################
@@ -1763,18 +2153,18 @@ class _SQLStore(_Store):
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
         job, slot = due.job, due.slot
         if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
-            return _Claimless.MOVED
+            return _NotClaimed.MOVED
         records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
         conn.executemany(_SQL_RECORD, records)
         if due.missed:
             self._prune(conn, job)
         if not due.run:
-            return _Claimless.RECORDED
+            return _NotClaimed.RECORDED
         if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
             self._skip(conn, job, slot, owner, now_ms)
-            return _Claimless.RECORDED
+            return _NotClaimed.RECORDED
         if conn.execute(_SQL_INSERT_DUE_RUN, (job, slot, now_ms)).rowcount == 0:
-            return _Claimless.RECORDED  # a run of that very slot was triggered: it is claimed as pending
+            return _NotClaimed.RECORDED  # a run of that very slot was triggered: it is claimed as pending
         return self._take(conn, job, slot, owner, due.lease, now_ms)
 
     def _take(self, conn: Any, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
@@ -1865,11 +2255,11 @@ class _SQLStore(_Store):
         ended = (end.status, end.now_ms, end.error, end.output, job, slot, attempt)
         if conn.execute(_SQL_END_NEWEST, (*ended, job)).rowcount == 0:  # others were recorded since: made the newest
             conn.execute(self._SQL_FINISH_ATTEMPT, ended)
-        if end.then is _Then.DONE:
+        if end.then is _AfterEnd.DONE:
             conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
         else:
-            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then is _Then.RETRY), job, slot))
+            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then is _AfterEnd.RETRY), job, slot))
         return True
 
     def _prune(self, conn: Any, job: str) -> None:
@@ -2018,7 +2408,7 @@ class _SQLStore(_Store):
 
 
 ###############################################################################
-# The SQLite store ############################################################
+# The SQLite file #############################################################
 ###############################################################################
 
 # The WAL is written back into the file once it holds this many bytes of pages (1 MiB), and cut
@@ -2171,146 +2561,6 @@ _SQL_JOIN = (
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
 
 
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as handle:
-            return handle.read().strip()
-    except OSError:
-        return None
-
-
-def _process_start(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
-    fields = _process_stat(pid)
-    return None if fields is None else (fields[0], int(fields[19]))
-
-
-def _process_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
-    text = _read_text(f"/proc/{pid}/stat")
-    return None if text is None else text[text.rfind(")") + 2 :].split()
-
-
-def _group_record(pgid: int, me: _Owner, nonce: str) -> str:
-    """What identifies a process group that this process just started: its id, the leader's start
-    time (a reused pid is told apart), the boot, the pid namespace, and the nonce of the marker in
-    its command's environment (JSON, kept with the run)."""
-    started = _process_start(pgid)
-    start = started[1] if started else None
-    return json.dumps({"pgid": pgid, "start": start, "boot": me.boot_id, "ns": me.namespace, "run": nonce})
-
-
-def _group_members(pgid: int) -> list[str]:
-    """``pid name`` of the live processes of process group ``pgid`` (Linux: from /proc; elsewhere
-    only whether there are any)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    except PermissionError:
-        return ["processes of another user"]
-    if not os.path.isdir("/proc/self"):
-        return ["processes"]
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _process_stat(int(name))
-            if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-                comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
-                found.append(f"{name} ({comm})")
-    return found
-
-
-# Trust (the README's "Trust model"): the files this process acts on must be its own. A database, its
-# -wal and -shm, the lease board or the liveness directory that another user owns, or that users
-# other than the owner may write, could make this process run, skip or record what they choose: it
-# is refused, as OpenSSH's StrictModes and cron refuse such files. With ``shared_group`` (an app
-# user and a deploy user in one group) a file whose group is one of this process's groups is
-# trusted whoever owns it, and that group may write it; a file every user may write never is. A
-# directory that holds them belongs to this user or to root (or, shared, to the group) and may be
-# written by others only if it is sticky (/tmp): there only a file's owner can remove or replace it.
-def _user(uid: int) -> str:
-    import pwd
-
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _group(gid: int) -> str:
-    import grp
-
-    try:
-        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
-    except KeyError:
-        return f"gid {gid}"
-
-
-def _distrust(status: os.stat_result, shared_group: bool, directory: bool = False) -> str | None:
-    """The rule that a file (or directory) of ``status`` breaks, as the end of a sentence; None if
-    this process may trust it (see above)."""
-    me, mode = os.geteuid(), status.st_mode
-    if directory != stat.S_ISDIR(mode) or not (directory or stat.S_ISREG(mode)):
-        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "a special file"
-        return "is not a directory" if directory else f"is {kind}, not a regular file"
-    group = shared_group and status.st_gid in {os.getegid(), *os.getgroups()}
-    if status.st_uid != me and not group and not (directory and status.st_uid == 0):
-        return f"is owned by {_user(status.st_uid)}, not by this process's {_user(me)}"
-    if directory and mode & stat.S_ISVTX:
-        return None  # (only a file's owner may remove or rename it)
-    if mode & stat.S_IWOTH:
-        return "may be written by every user"
-    if mode & stat.S_IWGRP and not group:
-        return f"may be written by its group, {_group(status.st_gid)} (shared_group=True, --shared-group, trusts it)"
-    return None
-
-
-def _check_trusted(path: str, what: str, status: os.stat_result, shared_group: bool, directory: bool = False) -> None:
-    """Raise ``StoreError`` naming ``path`` (``what`` it is) and the rule, if it is not to be trusted."""
-    rule = _distrust(status, shared_group, directory)
-    if rule is not None:
-        raise _Refused(path, f"{what} {rule}: refused (see the README's Trust model)")
-
-
-def _what(suffix: str) -> str:
-    """How a message names the database file (``""``) or the file beside it with ``suffix``."""
-    return f"the database's {suffix} file" if suffix else "the database file"
-
-
-def _opened(paths: Iterable[str]) -> dict[str, list[os.stat_result]] | None:
-    """The files this process has open under each of ``paths`` (absolute, links resolved), as the
-    open files themselves say (``/proc/self/fd``: not what the paths name now); None without /proc."""
-    wanted: dict[str, list[os.stat_result]] = {path: [] for path in paths}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target in wanted:
-                wanted[target].append(os.stat(f"/proc/self/fd/{name}"))
-        except OSError:
-            continue  # (closed meanwhile)
-    return wanted
-
-
-def _create_file(path: str, shared_group: bool) -> bool:
-    """Create ``path`` empty, owner-only (with ``shared_group``, its group's too), never through a
-    link planted at its name; False if it existed."""
-    mode = 0o660 if shared_group else 0o600
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        return False
-    try:
-        os.fchmod(fd, mode)  # (past the umask)
-    finally:
-        os.close(fd)  # (a new file: this process holds no lock on it that closing would drop)
-    return True
-
-
 def _switch_to_wal(conn: sqlite3.Connection, path: str, timeout: float) -> None:
     """Put the file in WAL mode. While another process is switching a new file, the switch fails at
     once (no busy handler for it), so it is retried for up to ``timeout`` seconds."""
@@ -2329,37 +2579,49 @@ def _switch_to_wal(conn: sqlite3.Connection, path: str, timeout: float) -> None:
         _pause(0.01)
 
 
-def _this_owner(instance: str) -> _Owner:
-    pid = os.getpid()
-    started = _process_start(pid)
-    namespace = None
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pass
-    return _Owner(
-        instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id")
-    )
+def _real_path(path: str) -> str:
+    """The file that ``path`` names, symbolic links followed (SQLite keeps the -wal and -shm files
+    beside it). As the kernel's ``protected_symlinks`` rule has it, a link in a directory that every
+    user may write is followed only if this user or the directory's owner made it: whoever else
+    made it could point it at any file this process may write."""
+    if not os.path.islink(path):
+        return path
+    directory = os.path.dirname(os.path.abspath(path))
+    owner, place = os.lstat(path).st_uid, os.stat(directory)
+    if place.st_mode & stat.S_IWOTH and owner not in (os.geteuid(), place.st_uid):
+        raise StoreError(
+            path,
+            f"a symbolic link owned by {_user(owner)} in {directory}, which every user may write: refused "
+            "(give the path of the file itself)",
+        )
+    return os.path.realpath(path)
 
 
-def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
-    """Why the process ``owner`` no longer exists, or None when it may be alive.
+def _lenient_text(data: bytes) -> str:
+    return data.decode("utf-8", "backslashreplace")
 
-    Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
-    or a pid now used by a process that started at another time.
-    """
-    if owner.boot_id and me.boot_id and owner.boot_id != me.boot_id:
-        return "the owner's host rebooted"
-    if owner.namespace is None or owner.namespace != me.namespace or me.start is None:
-        return None
-    state = _process_start(owner.pid)
-    if state is None:
-        return f"owner process {owner.pid} exited"
-    if state[0] in ("Z", "X"):
-        return f"owner process {owner.pid} exited (zombie)"
-    if owner.start is not None and state[1] != owner.start:
-        return f"owner process {owner.pid} exited (pid reused)"
-    return None
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    text = str(exc)
+    return "locked" in text or "busy" in text
+
+
+def _explain(exc: sqlite3.Error) -> str:
+    text = str(exc)
+    if "not a database" in text:
+        return "not an SQLite database (file is not a database)"
+    if "disk is full" in text or "database or disk is full" in text:
+        return "disk full: the database cannot grow (database or disk is full)"
+    if "readonly" in text or "read-only" in text:
+        return f"the database is read-only ({text})"
+    if _is_busy(exc):
+        return f"the database stayed locked by another process past the busy timeout ({text})"
+    return text
+
+
+###############################################################################
+# The lease board #############################################################
+###############################################################################
 
 
 # The lease board: what lives only while the processes live (leases renewed, progress), kept in a
@@ -2628,13 +2890,15 @@ def _member_alive(member: _Member) -> bool:
     return state is not None and state[0] not in ("Z", "X") and member[2] in (None, state[1])
 
 
-class _SQLiteStore(_SQLStore):
-    """The store in one SQLite file in WAL mode, shared by the processes of one host.
+###############################################################################
+# The SQLite store ############################################################
+###############################################################################
 
-    Each method is one transaction on this object's own connection: read-then-write transactions
-    start with ``BEGIN IMMEDIATE`` so they wait (bounded by ``busy_timeout``) for the write lock
-    instead of failing on an upgrade. Leases are on the clock's ``monotonic()``; owners are judged
-    by pid, start time, pid namespace and boot id (``_owner_gone``).
+
+class _SQLiteFile(_SQLStore):
+    """The SQLite file under a store: opening it (trusted, in WAL mode, its schema made or
+    migrated), noticing it was replaced, and running transactions on this object's connection.
+    ``_SQLiteStore`` adds the processes and the lease board.
     """
 
     _SQL_FINISH_ATTEMPT = _SQL_FINISH_ATTEMPT
@@ -3011,6 +3275,17 @@ class _SQLiteStore(_SQLStore):
 
     # -- running processes ------------------------------------------------------------------------
 
+
+class _SQLiteStore(_SQLiteFile):
+    """The store in one SQLite file in WAL mode, shared by the processes of one host.
+
+    Each method is one transaction on this object's own connection: read-then-write transactions
+    start with ``BEGIN IMMEDIATE`` so they wait (bounded by ``busy_timeout``) for the write lock
+    instead of failing on an upgrade. Leases are on the clock's ``monotonic()``, renewed on the
+    lease board while it can be; owners are judged by pid, start time, pid namespace and boot id
+    (``_owner_gone``).
+    """
+
     def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
         me = dataclasses.replace(self._me, instance=instance)
         board = self._the_board()
@@ -3199,46 +3474,6 @@ class _SQLiteStore(_SQLStore):
         return until is not None and until >= now
 
 
-def _real_path(path: str) -> str:
-    """The file that ``path`` names, symbolic links followed (SQLite keeps the -wal and -shm files
-    beside it). As the kernel's ``protected_symlinks`` rule has it, a link in a directory that every
-    user may write is followed only if this user or the directory's owner made it: whoever else
-    made it could point it at any file this process may write."""
-    if not os.path.islink(path):
-        return path
-    directory = os.path.dirname(os.path.abspath(path))
-    owner, place = os.lstat(path).st_uid, os.stat(directory)
-    if place.st_mode & stat.S_IWOTH and owner not in (os.geteuid(), place.st_uid):
-        raise StoreError(
-            path,
-            f"a symbolic link owned by {_user(owner)} in {directory}, which every user may write: refused "
-            "(give the path of the file itself)",
-        )
-    return os.path.realpath(path)
-
-
-def _lenient_text(data: bytes) -> str:
-    return data.decode("utf-8", "backslashreplace")
-
-
-def _is_busy(exc: sqlite3.Error) -> bool:
-    text = str(exc)
-    return "locked" in text or "busy" in text
-
-
-def _explain(exc: sqlite3.Error) -> str:
-    text = str(exc)
-    if "not a database" in text:
-        return "not an SQLite database (file is not a database)"
-    if "disk is full" in text or "database or disk is full" in text:
-        return "disk full: the database cannot grow (database or disk is full)"
-    if "readonly" in text or "read-only" in text:
-        return f"the database is read-only ({text})"
-    if _is_busy(exc):
-        return f"the database stayed locked by another process past the busy timeout ({text})"
-    return text
-
-
 class _FileWatch:
     """Wakes the event loop when any process writes the database (Linux inotify, via ctypes).
 
@@ -3295,191 +3530,6 @@ class _FileWatch:
     def close(self) -> None:
         self._loop.remove_reader(self._fd)
         os.close(self._fd)
-
-
-def _live_name(owner: _Owner) -> str:
-    """The name of ``owner``'s liveness socket: one scheduler instance of one process (a reused pid,
-    or the same instance name in a later process, names another)."""
-    key = "\0".join(str(part) for part in (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id))
-    return "p-" + hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
-@dataclasses.dataclass
-class _Watched:
-    """A connection to another process's liveness socket."""
-
-    sock: socket.socket | None  #: None once the owner's socket closed (or before any connection)
-    ended: bool = False  #: the kernel closed the owner's socket while connected
-    asked: float = 0.0  #: when (``time.monotonic``) a run of this owner was last asked about
-
-
-class _Liveness:
-    """Owners' deaths as the kernel tells them, the moment they happen, on one host.
-
-    While it serves, each scheduler listens on a unix socket of its own in the directory beside the
-    database (``jobs.db-live/``); nothing is ever accepted. A process watching one of its runs
-    connects once; when the owner's process ends, however it ends (``kill -9`` included), the
-    kernel closes the listening socket, the watcher's connection turns readable, the loop is woken
-    (``on_change``) and the owner is gone. No ``/proc`` is needed, so it holds across pid namespaces
-    (containers sharing the volume). A frozen owner keeps its socket open: its lease decides. An
-    owner whose socket cannot be found (a directory it could not write) is judged as before:
-    ``/proc`` and the lease. One descriptor per watched owner, closed when it ends or is not
-    asked about for ``_FORGET`` seconds; no thread.
-    """
-
-    _FORGET = 60.0
-
-    def __init__(
-        self, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], shared_group: bool = False
-    ):
-        self._dir = _real_path(path) + "-live"
-        self._shared_group = shared_group
-        self._loop, self._on_change = loop, on_change
-        self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
-        self._listener: socket.socket | None = None
-        self._own: tuple[str, int] | None = None  # our socket's name and inode
-        self._watched: dict[str, _Watched] = {}
-        self._forgot = time.monotonic()
-
-    def _where(self, name: str) -> str:
-        path = os.path.join(self._dir, name)
-        if len(os.fsencode(path)) < 100 or self._dir_fd is None:
-            return path
-        return f"/proc/self/fd/{self._dir_fd}/{name}"
-
-    def _open_dir(self) -> bool:
-        """Open the directory (made owner-only, or its group's too when shared); ``StoreError`` if
-        this process may not trust it: whoever may write it could plant a socket that lies about
-        who is alive."""
-        if self._dir_fd is None:
-            mode = 0o770 if self._shared_group else 0o700
-            try:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(self._dir, mode)  # (never through a link: mkdir does not follow one)
-                    os.chmod(self._dir, mode)  # (past the umask)
-                fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                return False
-            try:
-                _check_trusted(self._dir, "the liveness directory", os.fstat(fd), self._shared_group, directory=True)
-            except StoreError:
-                os.close(fd)
-                raise
-            self._dir_fd = fd
-        return True
-
-    def listen(self, me: _Owner) -> None:
-        """Listen as ``me`` (before joining: a run of ours is never recorded before the socket is
-        there), and sweep away the sockets of processes that have ended."""
-        if not hasattr(socket, "AF_UNIX") or not self._open_dir():
-            return
-        name = _live_name(me)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            fresh = self._where(f"{name}.new")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(fresh)
-            listener.bind(fresh)
-            if self._shared_group:
-                os.chmod(fresh, 0o770)  # (its group's processes connect to it)
-            listener.listen(socket.SOMAXCONN)
-            os.replace(fresh, self._where(name))  # a name that exists is always listened on
-            self._own = (name, os.stat(self._where(name)).st_ino)
-        except OSError as exc:
-            listener.close()
-            _log.debug("no liveness socket in %s: %s", self._dir, exc)
-            return
-        self._listener = listener
-        self._sweep(name)
-
-    def _sweep(self, own: str) -> None:
-        try:
-            names = [n for n in os.listdir(self._dir) if n.startswith("p-") and "." not in n and n != own]
-        except OSError:
-            return
-        for name in names:
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-            try:
-                probe.connect(self._where(name))
-            except ConnectionRefusedError:  # nobody listens: its process ended
-                with contextlib.suppress(OSError):
-                    os.unlink(self._where(name))
-            except OSError:
-                pass
-            finally:
-                probe.close()
-
-    def gone(self, owner: _Owner) -> str | None:
-        """Why ``owner``'s process has ended, by its socket; None while it may be alive."""
-        try:
-            if not self._open_dir():
-                return None
-        except StoreError:
-            return None  # (said when listening)
-        now = time.monotonic()
-        if now - self._forgot > self._FORGET / 4:
-            self._forget(now)
-        name = _live_name(owner)
-        watched = self._watched.setdefault(name, _Watched(None))
-        watched.asked = now
-        if watched.sock is not None:
-            return None
-        # (again after an end: a later scheduler of the same instance name in the same process
-        # listens on the same name, and its runs are its own)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        try:
-            sock.connect(self._where(name))
-        except ConnectionRefusedError:
-            sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self._where(name))
-            return f"owner process {owner.pid} exited (nothing listens on its liveness socket)"
-        except FileNotFoundError:
-            sock.close()
-            return f"owner process {owner.pid} exited (its liveness socket closed)" if watched.ended else None
-        except OSError:
-            sock.close()
-            return None
-        watched.sock = sock
-        self._loop.add_reader(sock.fileno(), self._ended, name)
-        return None
-
-    def _ended(self, name: str) -> None:
-        watched = self._watched.get(name)
-        if watched is None or watched.sock is None:
-            return
-        self._drop(watched)
-        watched.ended = True
-        self._on_change()
-
-    def _drop(self, watched: _Watched) -> None:
-        if watched.sock is not None:
-            self._loop.remove_reader(watched.sock.fileno())
-            watched.sock.close()
-            watched.sock = None
-
-    def _forget(self, now: float) -> None:
-        self._forgot = now
-        for name, watched in list(self._watched.items()):
-            if now - watched.asked > self._FORGET:
-                self._drop(watched)
-                del self._watched[name]
-
-    def close(self) -> None:
-        """Stop listening (our socket's name is removed) and watching."""
-        for watched in self._watched.values():
-            self._drop(watched)
-        self._watched.clear()
-        if self._listener is not None and self._own is not None:
-            name, inode = self._own
-            with contextlib.suppress(OSError):
-                if os.stat(self._where(name)).st_ino == inode:  # (not a later listener's of the same name)
-                    os.unlink(self._where(name))
-            self._listener.close()
-            self._listener = self._own = None
-        if self._dir_fd is not None:
-            os.close(self._dir_fd)
-            self._dir_fd = None
 
 
 class _SQLiteChanges(_Changes):
@@ -3558,7 +3608,7 @@ class _SQLite(_Backend):
         self._board_dir = os.environ.get("ANARCHON_BOARD_DIR", _BOARD_DIR)
         self._granted: dict[tuple[str, int, int], float] = {}  # (see _SQLiteStore: its renewing stores share it)
 
-    def main(self) -> _Store:
+    def control_store(self) -> _Store:
         store = _SQLiteStore(
             self.path,
             busy_timeout=self._busy_timeout,
@@ -3571,7 +3621,7 @@ class _SQLite(_Backend):
         store.retention = self._retention
         return store
 
-    def heartbeat(self) -> _Store:  # looks for the write lock every 0.5 ms; never checkpoints in a commit
+    def renewal_store(self) -> _Store:  # looks for the write lock every 0.5 ms; never checkpoints in a commit
         return _SQLiteStore(
             self.path,
             busy_timeout=self._busy_timeout,
@@ -3584,7 +3634,7 @@ class _SQLite(_Backend):
             shared_group=self.shared_group,
         )
 
-    def fallback(self) -> _Store:  # never waits for the lock
+    def loop_renewal(self) -> _Store:  # never waits for the lock
         return _SQLiteStore(
             self.path,
             busy_timeout=0.0,
@@ -4258,6 +4308,11 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+###############################################################################
+# PostgreSQL: locks and changes ###############################################
+###############################################################################
+
+
 # An owner's lock session can end where the owner cannot see it (a frozen network path, then the
 # server ends the session: pg_terminate_backend, a pooler recycling server connections, a
 # server-side keepalive). So while it runs attempts the owner proves its session with a round trip
@@ -4602,7 +4657,7 @@ class _Postgres(_Backend):
         self._identity = _PGIdentity()
         self._read_only, self._busy_timeout, self._retention = read_only, busy_timeout, retention
 
-    def main(self) -> _Store:
+    def control_store(self) -> _Store:
         store = _PGStore(
             self._target,
             self._identity,
@@ -4613,14 +4668,19 @@ class _Postgres(_Backend):
         store.retention = self._retention
         return store
 
-    def heartbeat(self) -> _Store:
+    def renewal_store(self) -> _Store:
         return _PGStore(self._target, self._identity, busy_timeout=self._busy_timeout)
 
-    def fallback(self) -> _AsyncRenewal:
+    def loop_renewal(self) -> _AsyncRenewal:
         return _PGLoopRenewal(self._target, asyncio.get_running_loop())
 
     def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
         return _PGChanges(self._target, self._identity, loop, on_change)
+
+
+###############################################################################
+# Choosing the store ##########################################################
+###############################################################################
 
 
 def _store_at(
@@ -4802,8 +4862,8 @@ class _Heartbeats(threading.Thread):
         switch_interval: float | None,
     ):
         super().__init__(name=name, daemon=True)
-        self._store = backend.heartbeat()
-        self._loop_store = backend.fallback()  # never blocks the loop (None: the loop only checks expiry)
+        self._store = backend.renewal_store()
+        self._loop_store = backend.loop_renewal()  # never blocks the loop (None: the loop only checks expiry)
         self._loop = loop
         self._loop_timer: asyncio.TimerHandle | None = None
         self._loop_renewal: asyncio.Task[None] | None = None  # the loop's renewal in flight (asynchronous)
@@ -5341,7 +5401,7 @@ class _Declarations:
 
 
 ###############################################################################
-# The store, from the event loop ##############################################
+# The store from the event loop ###############################################
 ###############################################################################
 
 
@@ -5390,7 +5450,7 @@ class _StoreLink:
         """Run ``work(store)`` on the store's thread; the transaction completes even if the
         awaiting task is cancelled."""
         if self._thread is None:
-            self._thread = _StoreThread(self.backend.main())
+            self._thread = _StoreThread(self.backend.control_store())
         thread = self._thread
         try:
             declared = self.declarations
@@ -5669,7 +5729,7 @@ _LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, 
 _HURRIED = 2 * _LAST_WORDS + 5.0  # seconds hurried attempts have to end and write their ends
 
 
-def _contained(exc: BaseException) -> BaseException:
+def _safe_to_raise(exc: BaseException) -> BaseException:
     """What a handler's exception becomes on its way to the scheduler: one that cannot stop the
     event loop (asyncio lets ``SystemExit`` and ``KeyboardInterrupt`` out of a task) or be refused
     by a future (``StopIteration``)."""
@@ -5678,10 +5738,10 @@ def _contained(exc: BaseException) -> BaseException:
     return HandlerEscaped(exc)
 
 
-class _Driven:
+class _AbandonableCoroutine:
     """An ``async`` handler's coroutine, stepped for its task by this object instead of by ``await``.
 
-    Exceptions are passed through ``_contained``. ``abandon()`` handles a coroutine that swallows
+    Exceptions are passed through ``_safe_to_raise``. ``abandon()`` handles a coroutine that swallows
     ``CancelledError``: at the next step (the task's next cancel), the coroutine is closed
     (``GeneratorExit`` at the ``await`` where it waits, so its ``finally`` blocks run) and is never
     resumed again, whatever it does; the task ends cancelled.
@@ -5704,7 +5764,7 @@ class _Driven:
             except StopIteration as stop:
                 return stop.value
             except BaseException as exc:
-                contained = _contained(exc)
+                contained = _safe_to_raise(exc)
                 if contained is exc:
                     raise
                 raise contained from exc
@@ -5750,7 +5810,7 @@ def _start_thread(
         try:
             result = context.run(handler, ctx)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which judges it
-            _hand_back(loop, _set_exception, future, _contained(exc))
+            _hand_back(loop, _set_exception, future, _safe_to_raise(exc))
         else:
             _hand_back(loop, _set_result, future, result)
 
@@ -5903,13 +5963,13 @@ class _Events:
                 except Exception:  # noqa: BLE001 - a listener must never break a run
                     _log.exception("an on_event listener failed on %s of %s", kind, job)
 
-    def end(self, attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
+    def end(self, attempt: _Attempt, outcome: _Outcome, duration: float, then: _AfterEnd) -> None:
         claim, status = attempt.claim, outcome.status or "lost"
         what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
-        kind: EventKind = "handed_over" if then is _Then.HANDOVER else cast(EventKind, status)
-        if then is _Then.RETRY:
+        kind: EventKind = "handed_over" if then is _AfterEnd.HANDOVER else cast(EventKind, status)
+        if then is _AfterEnd.RETRY:
             what += ", to be retried"
-        elif then is _Then.HANDOVER:
+        elif then is _AfterEnd.HANDOVER:
             what += ", handed over"
         if outcome.error and status != "succeeded":
             what += f": {outcome.error}"
@@ -6076,7 +6136,7 @@ class _Runner:
         work: asyncio.Future[Any]
         driven = None
         if attempt.job.is_async:
-            driven = _Driven(_await(attempt.job.handler(ctx)))
+            driven = _AbandonableCoroutine(_await(attempt.job.handler(ctx)))
             work = context.run(loop.create_task, _await(driven))
         else:
             work = loop.create_future()
@@ -6122,16 +6182,16 @@ class _Runner:
         """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
-            self._events.end(attempt, outcome, duration, _Then.DONE)
+            self._events.end(attempt, outcome, duration, _AfterEnd.DONE)
             return
         claim, options = attempt.claim, attempt.job.options
-        then, not_before = _Then.DONE, 0
+        then, not_before = _AfterEnd.DONE, 0
         now_ms = _ms(self._clock.time())
         if outcome.status == "interrupted":
-            then, not_before = _Then.HANDOVER, now_ms
+            then, not_before = _AfterEnd.HANDOVER, now_ms
         elif outcome.retryable and claim.failures < options.retries:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
-            then, not_before = _Then.RETRY, now_ms + _ms(backoff)
+            then, not_before = _AfterEnd.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         self._events.end(attempt, outcome, duration, then)
         for tries in range(60):
@@ -6152,7 +6212,7 @@ class _Runner:
                     exc,
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
-        if then is not _Then.DONE:
+        if then is not _AfterEnd.DONE:
             self._poke()
 
     async def _finish(self, end: _End) -> bool:
@@ -6957,7 +7017,7 @@ class _Loop:
         claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
         moved = {}
         for (job, row), item, claim in zip(batch, due, claims):
-            if claim is _Claimless.MOVED:
+            if claim is _NotClaimed.MOVED:
                 moved[job.name] = row.last_slot
                 continue
             if item.missed:
@@ -7556,34 +7616,11 @@ class Control:
 
 
 ###############################################################################
-# The command line ############################################################
+# Shell commands in process groups ############################################
 ###############################################################################
 
+
 _OUTPUT_TAIL = 4096
-_CRONTAB_OPTIONS = (
-    "name",
-    "timeout",
-    "overlap",
-    "retries",
-    "retry_delay",
-    "catch_up",
-    "lease",
-    "grace",
-    "max_attempts",
-    "on_failure",  # (the rest of its comment line: a command)
-)
-_OPTION_COMMENT = re.compile(r"#\s*(" + "|".join(_CRONTAB_OPTIONS) + r")\s*:", re.IGNORECASE)
-_OPTION_PAIR = re.compile(r"(\w+)\s*:\s*([^\s,]+)")
-_ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
-_ON_FAILURE = re.compile(r"#\s*on_failure\s*:\s*(\S.*)$", re.IGNORECASE)
-
-
-class CrontabError(ConfigError):
-    """A line of a crontab file is wrong; ``path`` and ``line`` say where."""
-
-    def __init__(self, path: str, line: int, message: str):
-        ValueError.__init__(self, f"{path}:{line}: {message}")
-        self.job, self.option, self.path, self.line = None, None, path, line
 
 
 class CommandFailed(_PlainFailure):
@@ -7603,164 +7640,6 @@ def _exit_text(code: int) -> str:
         return f"killed by {signal.Signals(-code).name}"
     except ValueError:
         return f"killed by signal {-code}"
-
-
-@dataclasses.dataclass
-class _CrontabEntry:
-    line: int
-    name: str
-    kind: str  # "cron", "every" or "reboot"
-    spec: str
-    command: str
-    env: dict[str, str]
-    options: dict[str, Any]
-    on_failure: str | None = None  # a command run after an attempt failed or timed out
-
-
-def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
-    """Read a crontab: entries, ``NAME=value`` lines, and ``# key: value`` option comments."""
-    env: dict[str, str] = {}
-    pending: dict[str, Any] = {}
-    entries: list[_CrontabEntry] = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            if _OPTION_COMMENT.match(line):
-                pending.update(_option_comment(line, path, number))
-            continue
-        assignment = _ENV_LINE.match(line)
-        if assignment and not line.startswith("@") and " " not in assignment.group(1):
-            value = assignment.group(2).strip()
-            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-                value = value[1:-1]
-            if "\0" in value:  # (no environment can carry it: every command would fail to start)
-                raise CrontabError(path, number, f"the value of {assignment.group(1)} has a NUL character in it")
-            env[assignment.group(1)] = value
-            if assignment.group(1) == "MAILTO" and value:
-                _log.warning(
-                    "%s:%d: MAILTO is ignored: anarchon-lite sends no mail; put '# on_failure: COMMAND' above an "
-                    "entry to run a command (such as mail) after it fails",
-                    path,
-                    number,
-                )
-            continue
-        entries.append(_crontab_entry(line, number, path, dict(env), pending))
-        pending = {}
-    names = [e.name for e in entries]
-    for entry in entries:
-        if names.count(entry.name) > 1:
-            raise CrontabError(path, entry.line, f"job name {entry.name!r} is used twice")
-    return entries
-
-
-def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
-    hook = _ON_FAILURE.match(line)
-    if hook:
-        return {"on_failure": hook.group(1).strip()}
-    options: dict[str, Any] = {}
-    left = _OPTION_PAIR.sub(" ", line.lstrip("#")).replace(",", " ").split()
-    if left:
-        raise CrontabError(
-            path,
-            number,
-            f"cannot read {left[0]!r} in this option comment: options are key: value pairs separated by spaces or "
-            "commas, and a value has no spaces (a job name such as 'nightly-backup', not 'nightly backup')",
-        )
-    for key, value in _OPTION_PAIR.findall(line):
-        key = key.lower()
-        if key not in _CRONTAB_OPTIONS:
-            raise CrontabError(path, number, f"unknown option {key!r} (known: {', '.join(_CRONTAB_OPTIONS)})")
-        options[key] = int(value) if key in ("retries", "max_attempts") and _DIGITS.match(value) else value
-    return options
-
-
-def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], options: dict[str, Any]) -> _CrontabEntry:
-    parts = line.split(None, 1)
-    if parts[0].lower() == "@every":
-        fields = line.split(None, 2)
-        if len(fields) < 3:
-            raise CrontabError(path, number, "@every needs a duration and a command")
-        kind, spec, command = "every", fields[1], fields[2]
-    elif parts[0].lower() == "@reboot":
-        if len(parts) < 2:
-            raise CrontabError(path, number, "@reboot needs a command")
-        kind, spec, command = "reboot", "@reboot", parts[1]
-    elif parts[0].startswith("@"):
-        if len(parts) < 2:
-            raise CrontabError(path, number, f"{parts[0]} needs a command")
-        kind, spec, command = "cron", parts[0], parts[1]
-    else:
-        fields = line.split(None, 5)
-        if len(fields) < 6:
-            raise CrontabError(path, number, "expected 5 schedule fields and a command")
-        kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
-    problem = _command_problem(command, env) or _user_column(command, env)
-    if problem:
-        raise CrontabError(path, number, problem)
-    digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
-    name = str(options.pop("name", None) or f"{kind}-{digest}")
-    on_failure = options.pop("on_failure", None)
-    return _CrontabEntry(number, name, kind, spec, command, env, options, on_failure)
-
-
-_ARG_LIMIT = 131072  # bytes in one argument of execve on Linux (MAX_ARG_STRLEN), the terminating NUL included
-
-
-def _command_problem(command: str, env: dict[str, str]) -> str | None:
-    """What makes a crontab command impossible to run, found before anything starts, or None."""
-    if "\0" in command:
-        return "the command has a NUL character in it"
-    size = len(command.encode(errors="surrogateescape"))
-    if size >= _ARG_LIMIT:
-        return f"the command is {size} bytes, more than the {_ARG_LIMIT - 1} the system takes in one argument: put it in a script"
-    shell = env.get("SHELL", "/bin/sh")
-    if _find_program(shell, env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
-        return f"SHELL={shell}: no such executable file"
-    return None
-
-
-def _user_column(command: str, env: dict[str, str]) -> str | None:
-    """Why a command whose first word names a user of this system, and no program, is refused: it
-    is a system crontab's user column (``0 3 * * * root backup``), which would run a program called
-    ``root``."""
-    first = command.split(None, 1)[0]
-    if _find_program(first, env.get("PATH", os.environ.get("PATH", os.defpath))) is not None:
-        return None
-    try:
-        import pwd
-
-        pwd.getpwnam(first)
-    except (ImportError, KeyError):
-        return None
-    return (
-        f"{first!r} is a user of this system, not a program: the user column of a system crontab (/etc/crontab, "
-        "/etc/cron.d) is not supported; run one anarchon-lite crontab process per user instead (systemd: User= "
-        "in each one's unit)"
-    )
-
-
-def _find_program(name: str, path: str) -> str | None:
-    """Where ``name`` is found as an executable file (``execvp``'s search), or None."""
-    candidates = [name] if "/" in name else [os.path.join(d or ".", name) for d in path.split(os.pathsep)]
-    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
-
-
-def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
-    for entry in entries:
-        handler = command_handler(entry.command, entry.env, entry.on_failure)
-        try:
-            if entry.kind == "every":
-                scheduler.every(entry.name, entry.spec, handler, **entry.options)
-            elif entry.kind == "reboot":
-                scheduler.on_start(entry.name, handler, **entry.options)
-            else:
-                tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
-                scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
-        except ConfigError as exc:
-            raise CrontabError(path, entry.line, str(exc)) from None
-        scheduler.agree_on(entry.name, entry.command)
 
 
 def command_handler(
@@ -8135,6 +8014,200 @@ def _kill_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+###############################################################################
+# Crontab files ###############################################################
+###############################################################################
+
+
+_CRONTAB_OPTIONS = (
+    "name",
+    "timeout",
+    "overlap",
+    "retries",
+    "retry_delay",
+    "catch_up",
+    "lease",
+    "grace",
+    "max_attempts",
+    "on_failure",  # (the rest of its comment line: a command)
+)
+_OPTION_COMMENT = re.compile(r"#\s*(" + "|".join(_CRONTAB_OPTIONS) + r")\s*:", re.IGNORECASE)
+_OPTION_PAIR = re.compile(r"(\w+)\s*:\s*([^\s,]+)")
+_ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
+_ON_FAILURE = re.compile(r"#\s*on_failure\s*:\s*(\S.*)$", re.IGNORECASE)
+
+
+class CrontabError(ConfigError):
+    """A line of a crontab file is wrong; ``path`` and ``line`` say where."""
+
+    def __init__(self, path: str, line: int, message: str):
+        ValueError.__init__(self, f"{path}:{line}: {message}")
+        self.job, self.option, self.path, self.line = None, None, path, line
+
+
+@dataclasses.dataclass
+class _CrontabEntry:
+    line: int
+    name: str
+    kind: str  # "cron", "every" or "reboot"
+    spec: str
+    command: str
+    env: dict[str, str]
+    options: dict[str, Any]
+    on_failure: str | None = None  # a command run after an attempt failed or timed out
+
+
+def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
+    """Read a crontab: entries, ``NAME=value`` lines, and ``# key: value`` option comments."""
+    env: dict[str, str] = {}
+    pending: dict[str, Any] = {}
+    entries: list[_CrontabEntry] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            if _OPTION_COMMENT.match(line):
+                pending.update(_option_comment(line, path, number))
+            continue
+        assignment = _ENV_LINE.match(line)
+        if assignment and not line.startswith("@") and " " not in assignment.group(1):
+            value = assignment.group(2).strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            if "\0" in value:  # (no environment can carry it: every command would fail to start)
+                raise CrontabError(path, number, f"the value of {assignment.group(1)} has a NUL character in it")
+            env[assignment.group(1)] = value
+            if assignment.group(1) == "MAILTO" and value:
+                _log.warning(
+                    "%s:%d: MAILTO is ignored: anarchon-lite sends no mail; put '# on_failure: COMMAND' above an "
+                    "entry to run a command (such as mail) after it fails",
+                    path,
+                    number,
+                )
+            continue
+        entries.append(_crontab_entry(line, number, path, dict(env), pending))
+        pending = {}
+    names = [e.name for e in entries]
+    for entry in entries:
+        if names.count(entry.name) > 1:
+            raise CrontabError(path, entry.line, f"job name {entry.name!r} is used twice")
+    return entries
+
+
+def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
+    hook = _ON_FAILURE.match(line)
+    if hook:
+        return {"on_failure": hook.group(1).strip()}
+    options: dict[str, Any] = {}
+    left = _OPTION_PAIR.sub(" ", line.lstrip("#")).replace(",", " ").split()
+    if left:
+        raise CrontabError(
+            path,
+            number,
+            f"cannot read {left[0]!r} in this option comment: options are key: value pairs separated by spaces or "
+            "commas, and a value has no spaces (a job name such as 'nightly-backup', not 'nightly backup')",
+        )
+    for key, value in _OPTION_PAIR.findall(line):
+        key = key.lower()
+        if key not in _CRONTAB_OPTIONS:
+            raise CrontabError(path, number, f"unknown option {key!r} (known: {', '.join(_CRONTAB_OPTIONS)})")
+        options[key] = int(value) if key in ("retries", "max_attempts") and _DIGITS.match(value) else value
+    return options
+
+
+def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], options: dict[str, Any]) -> _CrontabEntry:
+    parts = line.split(None, 1)
+    if parts[0].lower() == "@every":
+        fields = line.split(None, 2)
+        if len(fields) < 3:
+            raise CrontabError(path, number, "@every needs a duration and a command")
+        kind, spec, command = "every", fields[1], fields[2]
+    elif parts[0].lower() == "@reboot":
+        if len(parts) < 2:
+            raise CrontabError(path, number, "@reboot needs a command")
+        kind, spec, command = "reboot", "@reboot", parts[1]
+    elif parts[0].startswith("@"):
+        if len(parts) < 2:
+            raise CrontabError(path, number, f"{parts[0]} needs a command")
+        kind, spec, command = "cron", parts[0], parts[1]
+    else:
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            raise CrontabError(path, number, "expected 5 schedule fields and a command")
+        kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
+    problem = _command_problem(command, env) or _user_column(command, env)
+    if problem:
+        raise CrontabError(path, number, problem)
+    digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
+    name = str(options.pop("name", None) or f"{kind}-{digest}")
+    on_failure = options.pop("on_failure", None)
+    return _CrontabEntry(number, name, kind, spec, command, env, options, on_failure)
+
+
+_ARG_LIMIT = 131072  # bytes in one argument of execve on Linux (MAX_ARG_STRLEN), the terminating NUL included
+
+
+def _command_problem(command: str, env: dict[str, str]) -> str | None:
+    """What makes a crontab command impossible to run, found before anything starts, or None."""
+    if "\0" in command:
+        return "the command has a NUL character in it"
+    size = len(command.encode(errors="surrogateescape"))
+    if size >= _ARG_LIMIT:
+        return f"the command is {size} bytes, more than the {_ARG_LIMIT - 1} the system takes in one argument: put it in a script"
+    shell = env.get("SHELL", "/bin/sh")
+    if _find_program(shell, env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
+        return f"SHELL={shell}: no such executable file"
+    return None
+
+
+def _user_column(command: str, env: dict[str, str]) -> str | None:
+    """Why a command whose first word names a user of this system, and no program, is refused: it
+    is a system crontab's user column (``0 3 * * * root backup``), which would run a program called
+    ``root``."""
+    first = command.split(None, 1)[0]
+    if _find_program(first, env.get("PATH", os.environ.get("PATH", os.defpath))) is not None:
+        return None
+    try:
+        import pwd
+
+        pwd.getpwnam(first)
+    except (ImportError, KeyError):
+        return None
+    return (
+        f"{first!r} is a user of this system, not a program: the user column of a system crontab (/etc/crontab, "
+        "/etc/cron.d) is not supported; run one anarchon-lite crontab process per user instead (systemd: User= "
+        "in each one's unit)"
+    )
+
+
+def _find_program(name: str, path: str) -> str | None:
+    """Where ``name`` is found as an executable file (``execvp``'s search), or None."""
+    candidates = [name] if "/" in name else [os.path.join(d or ".", name) for d in path.split(os.pathsep)]
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
+    for entry in entries:
+        handler = command_handler(entry.command, entry.env, entry.on_failure)
+        try:
+            if entry.kind == "every":
+                scheduler.every(entry.name, entry.spec, handler, **entry.options)
+            elif entry.kind == "reboot":
+                scheduler.on_start(entry.name, handler, **entry.options)
+            else:
+                tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
+                scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
+        except ConfigError as exc:
+            raise CrontabError(path, entry.line, str(exc)) from None
+        scheduler.agree_on(entry.name, entry.command)
+
+
+###############################################################################
+# The command line ############################################################
+###############################################################################
 
 
 def _progress_bar(progress: tuple[float, float | None] | None) -> str:

@@ -234,7 +234,7 @@ class Process:
         return self._changes is not None
 
     def open(self):
-        store = self.backend.main()
+        store = self.backend.control_store()
         self._stores.append(store)
         return store
 
@@ -272,14 +272,14 @@ class FaultyBackend(anarchon_lite._Backend):
         self.changes_around = changes_around or {}
         self.look_every, self.polled = inner.look_every, inner.polled
 
-    def main(self):
-        return _Wrapped(self.inner.main(), self.around)
+    def control_store(self):
+        return _Wrapped(self.inner.control_store(), self.around)
 
-    def heartbeat(self):
-        return _Wrapped(self.inner.heartbeat(), self.around)
+    def renewal_store(self):
+        return _Wrapped(self.inner.renewal_store(), self.around)
 
-    def fallback(self):
-        store = self.inner.fallback()
+    def loop_renewal(self):
+        store = self.inner.loop_renewal()
         return None if store is None else _Wrapped(store, self.around)
 
     def changes(self, loop, on_change, instance):

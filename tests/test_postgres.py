@@ -393,7 +393,7 @@ def test_the_stores_prepared_statements_survive_a_deallocate_all(url):
         return s
 
     s = run(declare())
-    store = s._link.backend.main()
+    store = s._link.backend.control_store()
     claim = al._Claim("job", 1, 1, 0)
     try:
         for reset in ("DEALLOCATE ALL", "DEALLOCATE ALL", None):
@@ -713,7 +713,7 @@ def test_the_lock_session_is_made_again_when_the_loop_resets_at_once(url):
 
     async def main():
         backend = al._Postgres(url, False, 30.0, 1000)
-        run_store = backend.main()
+        run_store = backend.control_store()
         run_store.register([])  # (the schema)
         changes = backend.changes(asyncio.get_running_loop(), lambda: None, "me")
         changes.vouch_for(lambda: False, lambda why: changes.reset())  # the reset, at the worst moment
