@@ -204,6 +204,13 @@ _schemas = iter(range(1, 1_000_000))
 
 
 @pytest.fixture
+def lease_clock(store, clock):
+    """For tests of leases running out: the injected clock on SQLite, whose leases are on it; on
+    PostgreSQL, whose leases are on the server's clock, the real one (see ``expire``)."""
+    return clock if store.endswith(".db") else anarchon_lite.Clock()
+
+
+@pytest.fixture
 def store(request, tmp_path) -> str:
     """Where a test's scheduler keeps its state: an SQLite file, or a fresh PostgreSQL schema."""
     if request.param == "sqlite":

@@ -1,5 +1,5 @@
 """Clock faults and daylight-saving time through a running scheduler (the schedule math alone is in
-test_schedules.py; jumps of the wall clock are in test_scheduler.py), and a real process whose
+test_schedules.py; jumps of the wall clock are in test_runs.py), and a real process whose
 clock is set to 1970 and then corrected."""
 
 import datetime as dt
