@@ -1922,11 +1922,12 @@ _SQL_NOT_DECLARED = (  # (``{live}``: the placeholders of the running processes'
     "THEN 0 ELSE 1 END"
 )
 _SQL_ADVANCE = (
-    f"UPDATE jobs SET last_slot = ?, next_slot = ?, changed = {_SQL_NEXT_CHANGE} WHERE name = ? AND last_slot = ?"
+    f"UPDATE jobs SET last_slot = :slot, next_slot = :next_slot, changed = {_SQL_NEXT_CHANGE} "
+    "WHERE name = :job AND last_slot = :expected_last"
 )
 _SQL_SET_PAUSED = (
-    "UPDATE jobs SET paused = ?, last_slot = CASE WHEN last_slot > ? THEN last_slot ELSE ? END, "
-    f"changed = {_SQL_NEXT_CHANGE} WHERE name = ?"
+    "UPDATE jobs SET paused = :paused, last_slot = CASE WHEN last_slot > :since THEN last_slot ELSE :since END, "
+    f"changed = {_SQL_NEXT_CHANGE} WHERE name = :job"
 )
 _SQL_RUN_COLUMNS = (
     "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
@@ -1938,10 +1939,10 @@ _SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
 _SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
 _SQL_INSERT_DUE_RUN = _SQL_INSERT_RUN + " ON CONFLICT (job, slot) DO NOTHING"  # (already triggered by hand)
 _SQL_TAKE_RUN = (
-    "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
-    "owner_ns = ?, boot_id = ?, lease_until = lease_clock() + ?, lease = ?, started_at = ?, progress_done = NULL, "
-    "progress_total = NULL "
-    "WHERE job = ? AND slot = ?"
+    "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = :owner, owner_pid = :pid, "
+    "owner_start = :start, owner_ns = :namespace, boot_id = :boot_id, lease_until = lease_clock() + :lease, "
+    "lease = :lease, started_at = :now_ms, progress_done = NULL, progress_total = NULL "
+    "WHERE job = :job AND slot = :slot"
 )
 _SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
 _SQL_FENCE = "job = ? AND slot = ? AND attempt = ? AND owner = ? AND state = 'running'"
@@ -2016,6 +2017,106 @@ _SQL_CHECKPOINT_SET = (
     "attempt = excluded.attempt"
 )
 _SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
+
+
+# The tables, written once for both stores: ``_dialect`` renders them, ``{ms}`` being the type of a
+# time in milliseconds (or a slot), ``{real}`` of seconds, ``{id}`` the history's growing id,
+# ``{new}`` and ``{rowid}`` what SQLite adds. Each store adds its own ``instances`` table (what tells
+# that a process is gone differs) and what only it has (PostgreSQL: ``meta``, its lock keys and
+# functions; SQLite keeps its version in ``PRAGMA user_version``).
+_SQL_JOB_TABLES = (
+    # One row per declared job: its pause flag, its watermark (every occurrence up to ``last_slot``
+    # has been handled: run, skipped or missed) and its newest record's status and start.
+    """CREATE TABLE {new}jobs (
+        name TEXT PRIMARY KEY,
+        schedule TEXT NOT NULL,
+        paused INTEGER NOT NULL DEFAULT 0,
+        last_slot {ms} NOT NULL,
+        next_slot {ms},
+        definition TEXT,
+        declared_by TEXT,
+        changed {ms} NOT NULL DEFAULT 0,
+        last_status TEXT,
+        last_at {ms}
+    )""",
+    "CREATE INDEX {new}jobs_by_change ON jobs (changed)",
+    # One row per unfinished occurrence: waiting to be claimed, or running under a lease.
+    """CREATE TABLE {new}runs (
+        job TEXT NOT NULL,
+        slot {ms} NOT NULL,
+        attempt INTEGER NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
+        not_before {ms} NOT NULL,
+        failures INTEGER NOT NULL DEFAULT 0,
+        owner TEXT,
+        owner_pid INTEGER,
+        owner_start {ms},
+        owner_ns TEXT,
+        boot_id TEXT,
+        lease_until {real},
+        lease {real},
+        cancel INTEGER NOT NULL DEFAULT 0,
+        progress_done {real},
+        progress_total {real},
+        started_at {ms},
+        process_group TEXT,
+        PRIMARY KEY (job, slot)
+    ){rowid}""",
+    # One row per attempt, and per skipped or missed occurrence (attempt 0). (A new id is always
+    # the largest: records are only ever deleted from the oldest end, or replaced by a newer id.)
+    """CREATE TABLE {new}history (
+        id {id},
+        job TEXT NOT NULL,
+        slot {ms} NOT NULL,
+        attempt INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        instance TEXT,
+        started_at {ms},
+        finished_at {ms},
+        error TEXT,
+        output TEXT,
+        UNIQUE (job, slot, attempt)
+    )""",
+    "CREATE INDEX {new}history_by_job ON history (job, id)",
+    "CREATE INDEX {new}history_by_slot ON history (slot)",
+)
+# Which process declares which job (rows of processes that are gone are deleted by the next to join).
+_SQL_DECLARATIONS_TABLE = """CREATE TABLE IF NOT EXISTS declarations (
+        job TEXT NOT NULL,
+        instance TEXT NOT NULL,
+        PRIMARY KEY (job, instance)
+    ){rowid}"""
+_SQL_CHECKPOINT_TABLES = (
+    # One row per saved checkpoint; ``attempt`` is the attempt that saved it (NULL from outside a run).
+    """CREATE TABLE {new}checkpoints (
+        job TEXT NOT NULL,
+        slot {ms} NOT NULL,
+        value TEXT NOT NULL,
+        updated_at {ms} NOT NULL,
+        attempt INTEGER,
+        PRIMARY KEY (job, slot)
+    )""",
+    _SQL_TOTALS_TABLE,
+)
+# From each earlier version to the next, in place and in one transaction with the version change
+# (what both stores share; each adds its own). Every step only adds, so a process of the previous
+# version still running on the database keeps working (a job row it inserts has change number 0:
+# the full read a process makes every ``_FULL_READ`` seconds finds it).
+_SQL_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    4: (
+        "ALTER TABLE jobs ADD COLUMN changed BIGINT NOT NULL DEFAULT 0",
+        "UPDATE jobs SET changed = 1",
+        "CREATE INDEX jobs_by_change ON jobs (changed)",
+    ),
+    5: (_SQL_TOTALS_TABLE,),
+    6: ("ALTER TABLE instances ADD COLUMN declares INTEGER", _SQL_DECLARATIONS_TABLE),
+    7: ("ALTER TABLE jobs ADD COLUMN last_status TEXT", "ALTER TABLE jobs ADD COLUMN last_at {ms}", _SQL_FILL_NEWEST),
+}
+
+
+def _dialect(statements: Iterable[str], types: dict[str, str]) -> tuple[str, ...]:
+    """``statements`` (of the shared schema) as one store writes them."""
+    return tuple(statement.format_map(types) if "{" in statement else statement for statement in statements)
 
 
 _job_row = _JobRow._make
@@ -2135,7 +2236,9 @@ class _SQLStore(_Store):
     def set_paused(self, name: str, paused: bool, now_ms: int) -> bool:
         def work(conn: Any) -> bool:
             since = 0 if paused else now_ms
-            return bool(conn.execute(_SQL_SET_PAUSED, (int(paused), since, since, name)).rowcount == 1)
+            return bool(
+                conn.execute(_SQL_SET_PAUSED, {"paused": int(paused), "since": since, "job": name}).rowcount == 1
+            )
 
         return self._write(work)
 
@@ -2152,7 +2255,8 @@ class _SQLStore(_Store):
 
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
         job, slot = due.job, due.slot
-        if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
+        advance = {"slot": slot, "next_slot": due.next_slot, "job": job, "expected_last": due.expected_last}
+        if conn.execute(_SQL_ADVANCE, advance).rowcount != 1:
             return _NotClaimed.MOVED
         records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
         conn.executemany(_SQL_RECORD, records)
@@ -2172,7 +2276,18 @@ class _SQLStore(_Store):
         stamped on the lease clock, with what tells whether this process still exists."""
         me = self._owner()
         conn.execute(
-            _SQL_TAKE_RUN, (owner, me.pid, me.start, me.namespace, me.boot_id, lease, lease, now_ms, job, slot)
+            _SQL_TAKE_RUN,
+            {
+                "owner": owner,
+                "pid": me.pid,
+                "start": me.start,
+                "namespace": me.namespace,
+                "boot_id": me.boot_id,
+                "lease": lease,
+                "now_ms": now_ms,
+                "job": job,
+                "slot": slot,
+            },
         )
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
         conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner, now_ms, None, None))
@@ -2420,11 +2535,6 @@ _WAL_LIMIT = 1024 * 1024
 # SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
 _PAGE_SIZE = 1024
 _OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteStore._connect)
-_SQL_DECLARATIONS_TABLE = """CREATE TABLE IF NOT EXISTS declarations (
-        job TEXT NOT NULL,
-        instance TEXT NOT NULL,
-        PRIMARY KEY (job, instance)
-    ) WITHOUT ROWID"""
 _SQLITE_KEEP_NEWEST, _SQLITE_IS_NEWEST = (sql.format(schema="") for sql in (_SQL_KEEP_NEWEST, _SQL_IS_NEWEST))
 _SQLITE_NEWEST_TRIGGERS = (
     f"CREATE TRIGGER IF NOT EXISTS history_added AFTER INSERT ON history BEGIN {_SQLITE_KEEP_NEWEST}; END",
@@ -2433,64 +2543,17 @@ _SQLITE_NEWEST_TRIGGERS = (
         f"WHEN {_SQLITE_IS_NEWEST} BEGIN {_SQLITE_KEEP_NEWEST}; END"
     ),
 )
-_SCHEMA = (
-    # One row per declared job: its pause flag, its watermark (every occurrence up to ``last_slot``
-    # has been handled: run, skipped or missed) and its newest record's status and start.
-    """CREATE TABLE IF NOT EXISTS jobs (
-        name TEXT PRIMARY KEY,
-        schedule TEXT NOT NULL,
-        paused INTEGER NOT NULL DEFAULT 0,
-        last_slot INTEGER NOT NULL,
-        next_slot INTEGER,
-        definition TEXT,
-        declared_by TEXT,
-        changed INTEGER NOT NULL DEFAULT 0,
-        last_status TEXT,
-        last_at INTEGER
-    )""",
-    "CREATE INDEX IF NOT EXISTS jobs_by_change ON jobs (changed)",
-    # One row per unfinished occurrence: waiting to be claimed, or running under a lease.
-    """CREATE TABLE IF NOT EXISTS runs (
-        job TEXT NOT NULL,
-        slot INTEGER NOT NULL,
-        attempt INTEGER NOT NULL,
-        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
-        not_before INTEGER NOT NULL,
-        failures INTEGER NOT NULL DEFAULT 0,
-        owner TEXT,
-        owner_pid INTEGER,
-        owner_start INTEGER,
-        owner_ns TEXT,
-        boot_id TEXT,
-        lease_until REAL,
-        lease REAL,
-        cancel INTEGER NOT NULL DEFAULT 0,
-        progress_done REAL,
-        progress_total REAL,
-        started_at INTEGER,
-        process_group TEXT,
-        PRIMARY KEY (job, slot)
-    ) WITHOUT ROWID""",
-    # One row per attempt, and per skipped or missed occurrence (attempt 0). (A new id is always
-    # the largest: records are only ever deleted from the oldest end, or replaced by a newer id.)
-    """CREATE TABLE IF NOT EXISTS history (
-        id INTEGER PRIMARY KEY,
-        job TEXT NOT NULL,
-        slot INTEGER NOT NULL,
-        attempt INTEGER NOT NULL,
-        status TEXT NOT NULL,
-        instance TEXT,
-        started_at INTEGER,
-        finished_at INTEGER,
-        error TEXT,
-        output TEXT,
-        UNIQUE (job, slot, attempt)
-    )""",
-    "CREATE INDEX IF NOT EXISTS history_by_job ON history (job, id)",
-    "CREATE INDEX IF NOT EXISTS history_by_slot ON history (slot)",
-    # One row per running scheduler process, so that a process can tell whether it starts alone;
-    # ``declares``: how many jobs it declares (NULL from a process of a version before 6).
-    """CREATE TABLE IF NOT EXISTS instances (
+_SQLITE_TYPES = {
+    "ms": "INTEGER",
+    "real": "REAL",
+    "id": "INTEGER PRIMARY KEY",
+    "new": "IF NOT EXISTS ",
+    "rowid": " WITHOUT ROWID",
+}
+# One row per running scheduler process, so that a process can tell whether it starts alone, and
+# what tells whether it still exists on this host; ``declares``: how many jobs it declares (NULL
+# from a process of a version before 6).
+_SQLITE_INSTANCES_TABLE = """CREATE TABLE IF NOT EXISTS instances (
         instance TEXT PRIMARY KEY,
         pid INTEGER NOT NULL,
         start INTEGER,
@@ -2499,52 +2562,27 @@ _SCHEMA = (
         started_at INTEGER NOT NULL,
         host TEXT,
         declares INTEGER
-    )""",
-    _SQL_DECLARATIONS_TABLE,
-    # One row per saved checkpoint; ``attempt`` is the attempt that saved it (NULL from outside a run).
-    """CREATE TABLE IF NOT EXISTS checkpoints (
-        job TEXT NOT NULL,
-        slot INTEGER NOT NULL,
-        value TEXT NOT NULL,
-        updated_at INTEGER NOT NULL,
-        attempt INTEGER,
-        PRIMARY KEY (job, slot)
-    )""",
-    _SQL_TOTALS_TABLE,
+    )"""
+_SCHEMA = (
+    *_dialect(_SQL_JOB_TABLES, _SQLITE_TYPES),
+    _SQLITE_INSTANCES_TABLE,
+    *_dialect((_SQL_DECLARATIONS_TABLE, *_SQL_CHECKPOINT_TABLES), _SQLITE_TYPES),
     *_SQLITE_NEWEST_TRIGGERS,
 )
 # The tables that every version of the schema has: a file with a schema version and without them is
 # another application's (``_SQLiteStore._refuse_foreign``).
 _OWN_TABLES = {"jobs", "runs", "history", "instances", "checkpoints"}
-# From each earlier version to the next, in place and in one transaction with the version change.
-# Every step only adds, so a process of the previous version still running on the file keeps working
-# (a job row it inserts has change number 0: the full read a process makes every ``_FULL_READ``
-# seconds finds it).
-_MIGRATE_TO_CHANGE_NUMBERS = (
-    "ALTER TABLE jobs ADD COLUMN changed BIGINT NOT NULL DEFAULT 0",
-    "UPDATE jobs SET changed = 1",
-    "CREATE INDEX jobs_by_change ON jobs (changed)",
-)
-_MIGRATIONS: dict[int, tuple[str, ...]] = {
+_MIGRATIONS: dict[int, tuple[str, ...]] = {  # (versions 2 and 3 were never written on PostgreSQL)
     2: ("ALTER TABLE checkpoints ADD COLUMN attempt INTEGER",),
     3: (
         "ALTER TABLE jobs ADD COLUMN definition TEXT",
         "ALTER TABLE jobs ADD COLUMN declared_by TEXT",
         "ALTER TABLE runs ADD COLUMN process_group TEXT",
     ),
-    4: _MIGRATE_TO_CHANGE_NUMBERS,
-    5: (_SQL_TOTALS_TABLE,),
-    6: (
-        "ALTER TABLE instances ADD COLUMN host TEXT",
-        "ALTER TABLE instances ADD COLUMN declares INTEGER",
-        _SQL_DECLARATIONS_TABLE,
-    ),
-    7: (
-        "ALTER TABLE jobs ADD COLUMN last_status TEXT",
-        "ALTER TABLE jobs ADD COLUMN last_at INTEGER",
-        _SQL_FILL_NEWEST,
-        *_SQLITE_NEWEST_TRIGGERS,
-    ),
+    4: _SQL_MIGRATIONS[4],
+    5: _SQL_MIGRATIONS[5],
+    6: ("ALTER TABLE instances ADD COLUMN host TEXT", *_dialect(_SQL_MIGRATIONS[6], _SQLITE_TYPES)),
+    7: (*_dialect(_SQL_MIGRATIONS[7], _SQLITE_TYPES), *_SQLITE_NEWEST_TRIGGERS),
 }
 
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
@@ -3662,7 +3700,6 @@ class _SQLite(_Backend):
 
 # The first key of every advisory lock of a schema (the second is the process's ``lock_key``).
 _PG_LOCK_SPACE = "(hashtext({schema_literal}) & 2147483647)"
-_PG_DECLARATIONS_TABLE = _SQL_DECLARATIONS_TABLE.replace(" WITHOUT ROWID", "")
 # The advisory locks of this schema's processes that are held now (``{schema_literal}``, as
 # ``_PGTarget.format`` fills it), and why an owner is gone given ``i`` (its ``instances`` row) and
 # ``{held}``, whether the lock it held is held now; or NULL while it may be alive. After a server
@@ -3688,60 +3725,10 @@ _PG_NEWEST_TRIGGER = (  # as _SQLITE_NEWEST_TRIGGERS (names qualified: whatever 
     END $$""",
     "CREATE TRIGGER history_newest AFTER INSERT OR UPDATE OF status ON history FOR EACH ROW EXECUTE FUNCTION keep_newest()",
 )
-_PG_SCHEMA = (
-    "CREATE TABLE meta (version INTEGER NOT NULL)",
-    """CREATE TABLE jobs (
-        name TEXT PRIMARY KEY,
-        schedule TEXT NOT NULL,
-        paused INTEGER NOT NULL DEFAULT 0,
-        last_slot BIGINT NOT NULL,
-        next_slot BIGINT,
-        definition TEXT,
-        declared_by TEXT,
-        changed BIGINT NOT NULL DEFAULT 0,
-        last_status TEXT,
-        last_at BIGINT
-    )""",
-    "CREATE INDEX jobs_by_change ON jobs (changed)",
-    """CREATE TABLE runs (
-        job TEXT NOT NULL,
-        slot BIGINT NOT NULL,
-        attempt INTEGER NOT NULL,
-        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
-        not_before BIGINT NOT NULL,
-        failures INTEGER NOT NULL DEFAULT 0,
-        owner TEXT,
-        owner_pid INTEGER,
-        owner_start BIGINT,
-        owner_ns TEXT,
-        boot_id TEXT,
-        lease_until DOUBLE PRECISION,
-        lease DOUBLE PRECISION,
-        cancel INTEGER NOT NULL DEFAULT 0,
-        progress_done DOUBLE PRECISION,
-        progress_total DOUBLE PRECISION,
-        started_at BIGINT,
-        process_group TEXT,
-        PRIMARY KEY (job, slot)
-    )""",
-    """CREATE TABLE history (
-        id BIGSERIAL PRIMARY KEY,
-        job TEXT NOT NULL,
-        slot BIGINT NOT NULL,
-        attempt INTEGER NOT NULL,
-        status TEXT NOT NULL,
-        instance TEXT,
-        started_at BIGINT,
-        finished_at BIGINT,
-        error TEXT,
-        output TEXT,
-        UNIQUE (job, slot, attempt)
-    )""",
-    "CREATE INDEX history_by_job ON history (job, id)",
-    "CREATE INDEX history_by_slot ON history (slot)",
-    # One row per running process: the advisory lock it holds, and the server's start time when it
-    # took it (a restart frees every lock: until its owner is back, a free lock proves nothing).
-    """CREATE TABLE instances (
+_PG_TYPES = {"ms": "BIGINT", "real": "DOUBLE PRECISION", "id": "BIGSERIAL PRIMARY KEY", "new": "", "rowid": ""}
+# One row per running process: the advisory lock it holds, and the server's start time when it
+# took it (a restart frees every lock: until its owner is back, a free lock proves nothing).
+_PG_INSTANCES_TABLE = """CREATE TABLE instances (
         instance TEXT PRIMARY KEY,
         lock_key INTEGER NOT NULL,
         server_start TIMESTAMPTZ NOT NULL,
@@ -3749,18 +3736,14 @@ _PG_SCHEMA = (
         pid INTEGER,
         started_at BIGINT NOT NULL,
         declares INTEGER
-    )""",
-    _PG_DECLARATIONS_TABLE,
+    )"""
+_PG_SCHEMA = (
+    "CREATE TABLE meta (version INTEGER NOT NULL)",
+    *_dialect(_SQL_JOB_TABLES, _PG_TYPES),
+    _PG_INSTANCES_TABLE,
+    *_dialect((_SQL_DECLARATIONS_TABLE,), _PG_TYPES),
     "CREATE SEQUENCE lock_keys AS INTEGER MINVALUE 1 CYCLE",
-    """CREATE TABLE checkpoints (
-        job TEXT NOT NULL,
-        slot BIGINT NOT NULL,
-        value TEXT NOT NULL,
-        updated_at BIGINT NOT NULL,
-        attempt INTEGER,
-        PRIMARY KEY (job, slot)
-    )""",
-    _SQL_TOTALS_TABLE,
+    *_dialect(_SQL_CHECKPOINT_TABLES, _PG_TYPES),
     *_PG_NEWEST_TRIGGER,
     (
         "CREATE FUNCTION lease_clock() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE AS "
@@ -3774,16 +3757,11 @@ _PG_SCHEMA = (
     FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
     $$""",
 )
-_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # as _MIGRATIONS
-    4: _MIGRATE_TO_CHANGE_NUMBERS,
-    5: (_SQL_TOTALS_TABLE,),
-    6: ("ALTER TABLE instances ADD COLUMN declares INTEGER", _PG_DECLARATIONS_TABLE),
-    7: (
-        "ALTER TABLE jobs ADD COLUMN last_status TEXT",
-        "ALTER TABLE jobs ADD COLUMN last_at BIGINT",
-        _SQL_FILL_NEWEST,
-        *_PG_NEWEST_TRIGGER,
-    ),
+_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # (PostgreSQL's schema began at version 4, with ``host``)
+    4: _SQL_MIGRATIONS[4],
+    5: _SQL_MIGRATIONS[5],
+    6: _dialect(_SQL_MIGRATIONS[6], _PG_TYPES),
+    7: (*_dialect(_SQL_MIGRATIONS[7], _PG_TYPES), *_PG_NEWEST_TRIGGER),
 }
 _PG_COMEBACK = 60  # seconds
 _PG_RECONNECT = 5.0  # seconds a call waits for a lost connection to be made again (a fast restart takes 1-2)
