@@ -278,3 +278,41 @@ def test_a_watermark_moved_by_an_older_version_is_read_and_not_claimed_again_and
         assert seen == []
 
     run(main())
+
+
+def test_what_a_front_end_of_its_own_needs_is_public(db):
+    """The calls the command line makes, public: a crontab's ``@reboot`` job and its command as part
+    of the declaration, what this process declares, and the declared jobs replaced on a reload
+    (recorded in the store with the next call; the jobs no longer declared become undeclared)."""
+
+    async def main():
+        s = make(db, instance="s")
+        s.every("a", "1h", lambda ctx: None, offset=QUIET)
+        s.cron("b", "0 3 * * *", lambda ctx: None, tz="Europe/Athens")
+        s.on_start("boot", lambda ctx: None)
+        s.agree_on("a", "echo a")
+        assert s.declared() == ["a", "b", "boot"]
+        assert (s.describe("b"), str(s.zone("b")), s.describe("boot")) == (
+            "cron 0 3 * * * Europe/Athens",
+            "Europe/Athens",
+            "@reboot",
+        )
+        with pytest.raises(JobNotFound):
+            s.agree_on("nope", "echo")
+        fresh = Scheduler(db)  # declared only, never run: what a reload reads
+        fresh.every("a", "1h", lambda ctx: None, offset=QUIET)
+        fresh.every("c", "2h", lambda ctx: None, offset=QUIET)
+        async with s:
+            definitions = {job.name: job.definition for job in await s.status()}
+            assert definitions["a"] == s.describe("a") + ": echo a"
+            s.replace_jobs(fresh)
+            assert s.declared() == ["a", "c"]
+            jobs = {job.name: job for job in await s.status()}
+            assert jobs["c"].schedule == fresh.describe("c") and jobs["a"].definition == fresh.describe("a")
+
+            async def rejoined():  # the next look records what this process declares with it
+                return {job.name: job.undeclared for job in await s.status()}["b"]
+
+            await wait_for(rejoined, message="b undeclared")
+
+    run(main())
