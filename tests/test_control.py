@@ -362,6 +362,7 @@ def test_transient_store_failures_do_not_stop_the_scheduler(db, caplog):
     assert any("injected" in r.getMessage() for r in caplog.records)
 
 
+# (SQLite only: files that cannot be used; a server that cannot be used is in test_postgres.py)
 def test_a_file_that_cannot_be_used_fails_run_at_once(tmp_path):
     path = tmp_path / "junk.db"
     path.write_bytes(b"not a database at all" * 200)
