@@ -1955,15 +1955,15 @@ _SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = ? WHERE {_SQL_FENCE}"
 _SQL_PROCESS_GROUP = "SELECT process_group FROM runs WHERE job = ? AND slot = ?"
 _SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
 _SQL_RELEASE = (
-    "UPDATE runs SET state = 'pending', not_before = ?, failures = failures + ?, owner = NULL, "
-    "lease_until = NULL WHERE job = ? AND slot = ?"
+    "UPDATE runs SET state = 'pending', not_before = :not_before, failures = failures + :failed, owner = NULL, "
+    "lease_until = NULL WHERE job = :job AND slot = :slot"
 )
 _SQL_DELETE_RUN = "DELETE FROM runs WHERE job = ? AND slot = ?"
 _SQL_CANCEL = "UPDATE runs SET cancel = 1 WHERE job = ?"
 _SQL_CANCEL_PENDING = "SELECT slot, attempt FROM runs WHERE job = ? AND state = 'pending'"
 _SQL_RECORD = (
-    "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
+    "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) VALUES "
+    "(:job, :slot, :attempt, :status, :instance, :started_at, :finished_at, :error) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
     "finished_at = excluded.finished_at, error = excluded.error"
 )
 _SQL_END_ATTEMPT = (
@@ -2012,7 +2012,7 @@ _SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot; held is 1 when no atte
     "(SELECT value FROM checkpoints WHERE job = ? AND slot = ?)"
 )
 _SQL_CHECKPOINT_SET = (
-    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (?, ?, ?, ?, ?) "
+    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (:job, :slot, :value, :now_ms, :attempt) "
     "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at, "
     "attempt = excluded.attempt"
 )
@@ -2134,6 +2134,30 @@ def _reader(conn: Any) -> Callable[[str, Sequence[Any]], list[Any]]:
         return list(conn.execute(sql, args).fetchall())
 
     return read
+
+
+def _record(
+    job: str,
+    slot: int,
+    attempt: int,
+    status: str,
+    instance: str | None = None,
+    *,
+    started_at: int | None = None,
+    finished_at: int | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """The named parameters of ``_SQL_RECORD``."""
+    return {
+        "job": job,
+        "slot": slot,
+        "attempt": attempt,
+        "status": status,
+        "instance": instance,
+        "started_at": started_at,
+        "finished_at": finished_at,
+        "error": error,
+    }
 
 
 def _run_row(row: Sequence[Any]) -> _RunRow:
@@ -2258,7 +2282,7 @@ class _SQLStore(_Store):
         advance = {"slot": slot, "next_slot": due.next_slot, "job": job, "expected_last": due.expected_last}
         if conn.execute(_SQL_ADVANCE, advance).rowcount != 1:
             return _NotClaimed.MOVED
-        records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
+        records = [_record(job, s, 0, "missed", finished_at=now_ms, error=e) for s, e in due.missed]
         conn.executemany(_SQL_RECORD, records)
         if due.missed:
             self._prune(conn, job)
@@ -2290,7 +2314,7 @@ class _SQLStore(_Store):
             },
         )
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
-        conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner, now_ms, None, None))
+        conn.execute(_SQL_RECORD, _record(job, slot, attempt, "running", owner, started_at=now_ms))
         return _Claim(job, slot, attempt, failures)
 
     def claim(
@@ -2332,12 +2356,13 @@ class _SQLStore(_Store):
         return False
 
     def _skip(self, conn: Any, job: str, slot: int, owner: str, now_ms: int) -> None:
-        conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner, None, now_ms, "an earlier run is unfinished"))
+        skipped = _record(job, slot, 0, "skipped", owner, finished_at=now_ms, error="an earlier run is unfinished")
+        conn.execute(_SQL_RECORD, skipped)
         self._prune(conn, job)
 
     def _end(self, conn: Any, row: _RunRow, status: str, error: str, now_ms: int) -> None:
         conn.execute(_SQL_DELETE_RUN, (row.job, row.slot))
-        conn.execute(_SQL_RECORD, (row.job, row.slot, row.attempt, status, None, None, now_ms, error))
+        conn.execute(_SQL_RECORD, _record(row.job, row.slot, row.attempt, status, finished_at=now_ms, error=error))
         self._prune(conn, row.job)
 
     # -- an attempt's writes (fenced) -------------------------------------------------------------
@@ -2374,7 +2399,13 @@ class _SQLStore(_Store):
             conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
         else:
-            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then is _AfterEnd.RETRY), job, slot))
+            release = {
+                "not_before": end.not_before,
+                "failed": int(end.then is _AfterEnd.RETRY),
+                "job": job,
+                "slot": slot,
+            }
+            conn.execute(_SQL_RELEASE, release)
         return True
 
     def _prune(self, conn: Any, job: str) -> None:
@@ -2405,7 +2436,8 @@ class _SQLStore(_Store):
             pending = conn.execute(_SQL_CANCEL_PENDING, (job,)).fetchall()
             for slot, attempt in pending:
                 conn.execute(_SQL_DELETE_RUN, (job, slot))
-                conn.execute(_SQL_RECORD, (job, slot, attempt, "cancelled", None, None, now_ms, "cancelled"))
+                cancelled = _record(job, slot, attempt, "cancelled", finished_at=now_ms, error="cancelled")
+                conn.execute(_SQL_RECORD, cancelled)
             return int(conn.execute(_SQL_CANCEL, (job,)).rowcount) + len(pending)
 
         return self._write(work)
@@ -2479,7 +2511,9 @@ class _SQLStore(_Store):
             if value is None:
                 conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
             else:
-                conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms, None if fence is None else fence[0]))
+                attempt = None if fence is None else fence[0]
+                checkpoint = {"job": job, "slot": slot, "value": value, "now_ms": now_ms, "attempt": attempt}
+                conn.execute(_SQL_CHECKPOINT_SET, checkpoint)
             return True
 
         return self._write(work, notify=False)
@@ -2594,7 +2628,7 @@ _SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id, host, started
 _SQL_INSTANCES_BEFORE_6 = "SELECT instance, pid, start, namespace, boot_id, NULL, started_at, NULL FROM instances"
 _SQL_JOIN = (
     "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at, host, declares) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "VALUES (:instance, :pid, :start, :namespace, :boot_id, :started_at, :host, :declares)"
 )
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
 
@@ -3338,7 +3372,12 @@ class _SQLiteStore(_SQLiteFile):
                     conn.execute(_SQL_LEAVE, (other.instance,))
                 else:
                     alive += 1
-            row = (me.instance, me.pid, me.start, me.namespace, me.boot_id, now_ms, socket.gethostname(), len(declares))
+            row = {
+                **dataclasses.asdict(me),
+                "started_at": now_ms,
+                "host": socket.gethostname(),
+                "declares": len(declares),
+            }
             conn.execute(_SQL_JOIN, row)
             self._declare(conn, instance, declares)
             return alive == 0
@@ -3782,7 +3821,8 @@ _PG_RUNS = (
 )
 _PG_JOIN = (
     "INSERT INTO instances (instance, lock_key, server_start, host, pid, started_at, declares) "
-    "VALUES (?, ?, pg_postmaster_start_time(), ?, ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET "
+    "VALUES (:instance, :lock_key, pg_postmaster_start_time(), :host, :pid, :started_at, :declares) "
+    "ON CONFLICT (instance) DO UPDATE SET "
     "lock_key = excluded.lock_key, server_start = excluded.server_start, host = excluded.host, "
     "pid = excluded.pid, started_at = excluded.started_at, declares = excluded.declares"
 )
@@ -4166,7 +4206,15 @@ class _PGStore(_SQLStore):
         key = self._identity.key
 
         def work(conn: Any) -> bool:
-            conn.execute(_PG_JOIN, (instance, key, socket.gethostname(), os.getpid(), now_ms, len(declares)))
+            joined = {
+                "instance": instance,
+                "lock_key": key,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_at": now_ms,
+                "declares": len(declares),
+            }
+            conn.execute(_PG_JOIN, joined)
             conn.execute(_PG_FORGET_GONE, (instance,))
             self._declare(conn, instance, declares)
             return int(conn.execute(_PG_OTHERS, (instance,)).fetchone()[0]) == 0

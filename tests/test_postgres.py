@@ -739,9 +739,12 @@ def test_a_long_c_call_holding_the_gil_aborts_nothing(url):
     """A plain-function handler in one long C call holds the GIL past ``_PG_VOUCH``: the thread that
     proves the lock session is held up with everything else, and finds the session answering when
     it runs again. Nothing is aborted (on SQLite the same stall is bounded by the lease alone)."""
-    began = time.perf_counter()
-    sum(range(2_000_000))
-    size = int(2_000_000 * 0.8 / max(time.perf_counter() - began, 1e-6))  # about 0.8 s in one call
+    took = []
+    for _ in range(3):  # the fastest of three: a calibration slowed by a busy machine makes the call too short
+        began = time.perf_counter()
+        sum(range(2_000_000))
+        took.append(time.perf_counter() - began)
+    size = int(2_000_000 * 0.8 / max(min(took), 1e-6))  # about 0.8 s in one call
     done = []
 
     async def main():
