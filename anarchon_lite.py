@@ -2568,7 +2568,7 @@ _WAL_LIMIT = 1024 * 1024
 # changes about ten (a job row, a run row, a history record, their indexes): 1 KiB each instead of
 # SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
 _PAGE_SIZE = 1024
-_OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteStore._connect)
+_OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteFile._connect)
 _SQLITE_KEEP_NEWEST, _SQLITE_IS_NEWEST = (sql.format(schema="") for sql in (_SQL_KEEP_NEWEST, _SQL_IS_NEWEST))
 _SQLITE_NEWEST_TRIGGERS = (
     f"CREATE TRIGGER IF NOT EXISTS history_added AFTER INSERT ON history BEGIN {_SQLITE_KEEP_NEWEST}; END",
@@ -2604,7 +2604,7 @@ _SCHEMA = (
     *_SQLITE_NEWEST_TRIGGERS,
 )
 # The tables that every version of the schema has: a file with a schema version and without them is
-# another application's (``_SQLiteStore._refuse_foreign``).
+# another application's (``_SQLiteFile._refuse_foreign``).
 _OWN_TABLES = {"jobs", "runs", "history", "instances", "checkpoints"}
 _MIGRATIONS: dict[int, tuple[str, ...]] = {  # (versions 2 and 3 were never written on PostgreSQL)
     2: ("ALTER TABLE checkpoints ADD COLUMN attempt INTEGER",),
@@ -7204,7 +7204,6 @@ class Scheduler:
             )
             if store is not None:
                 backend = store(backend)
-        self._where = backend.where  # the database, as messages name it
         self._declared = _Declarations(self.instance, self._clock)  #: the jobs this process declares
         self._link = _StoreLink(backend, self._declared, self._clock)  #: the store, and every connection to it
         self.checkpoints = CheckpointStore(self._link, self._clock)
