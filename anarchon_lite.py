@@ -2738,17 +2738,18 @@ _BOARD_SCHEMA = (
         PRIMARY KEY (job, slot, attempt)
     ) WITHOUT ROWID""",
 )
-_SQL_ENROL = "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (?, ?, ?, ?)"
+_SQL_ENROL = (
+    "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (:instance, :pid, :start, :namespace)"
+)
 _SQL_MEMBERS = "SELECT instance, pid, start, namespace FROM members"
 _SQL_LEAVE_BOARD = "DELETE FROM members WHERE instance = ? AND pid = ?"
-_SQL_BOARD_LEASE = "SELECT until FROM leases WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
+_SQL_BOARD_KEY = "job = :job AND slot = :slot AND attempt = :attempt AND owner = :owner"  # one attempt's lease
+_SQL_BOARD_LEASE = f"SELECT until FROM leases WHERE {_SQL_BOARD_KEY}"
 _SQL_BOARD_RENEW = (  # {rows}: one (?, ?, ?, ?, ?) per lease: one statement, one call into SQLite
     "INSERT INTO leases (job, slot, attempt, owner, until) VALUES {rows} ON CONFLICT (job, slot, attempt) "
     "DO UPDATE SET until = max(leases.until, excluded.until) WHERE leases.owner = excluded.owner"
 )
-_SQL_BOARD_PROGRESS = (
-    "UPDATE leases SET progress_done = ?, progress_total = ? WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
-)
+_SQL_BOARD_PROGRESS = f"UPDATE leases SET progress_done = :done, progress_total = :total WHERE {_SQL_BOARD_KEY}"
 _SQL_BOARD_LEASES = "SELECT job, slot, attempt, owner, until, progress_done, progress_total FROM leases"
 # (an ended attempt's lease is left to expire: a round of renewals deletes what expired a minute ago)
 _SQL_BOARD_PURGE = "DELETE FROM leases WHERE until < ?"
@@ -2871,7 +2872,7 @@ class _Board:
             _log.debug("lease board write failed: %s", exc)
             return None
 
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+    def _read(self, sql: str, args: Sequence[Any] | dict[str, Any] = ()) -> list[Any]:
         conn = self._connect(create=False)
         if conn is None:
             return []
@@ -2884,7 +2885,8 @@ class _Board:
     def enrol(self, me: _Member) -> bool:
         """Make this process a member (before its join commits)."""
         self._members = None  # (this connection's own write does not change its data_version)
-        return self._write(lambda conn: conn.execute(_SQL_ENROL, me)) is not None
+        member = dict(zip(("instance", "pid", "start", "namespace"), me))
+        return self._write(lambda conn: conn.execute(_SQL_ENROL, member)) is not None
 
     def members(self) -> set[_Member]:
         """The members, read again only when another connection has written the board since (a
@@ -2898,7 +2900,9 @@ class _Board:
 
     def until(self, run: _RunRow) -> float | None:
         """Until when (lease clock) the board says ``run``'s owner holds it, if it says."""
-        rows = self._read(_SQL_BOARD_LEASE, (run.job, run.slot, run.attempt, run.owner))
+        rows = self._read(
+            _SQL_BOARD_LEASE, {"job": run.job, "slot": run.slot, "attempt": run.attempt, "owner": run.owner}
+        )
         return float(rows[0][0]) if rows else None
 
     def leases(self) -> dict[tuple[str, int, int], _BoardLease]:
@@ -2920,8 +2924,11 @@ class _Board:
 
     def report(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> bool:
         """Keep an attempt's progress with its lease; False if the board has no lease of it."""
-        key = (claim.job, claim.slot, claim.attempt, owner)
-        return bool(self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, (*progress, *key)).rowcount))
+        done, total = progress
+        key = {"job": claim.job, "slot": claim.slot, "attempt": claim.attempt, "owner": owner}
+        return bool(
+            self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, {"done": done, "total": total, **key}).rowcount)
+        )
 
     def leave(self, me: _Member) -> None:
         """This process (``me``) is no longer a member."""
