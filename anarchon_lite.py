@@ -26,6 +26,24 @@ lets it continue::
     asyncio.run(scheduler.run())
 """
 
+# The map: sections in dependency order (a name is defined before it is used), each under a banner.
+#
+#   Errors, Durations and clocks, Cancellation, Schedules      the pure parts: no I/O
+#   The store interface                                        what the scheduler asks of a store
+#   Files this process trusts, Processes on this host          ownership of files; /proc, groups, liveness
+#   The SQL stores                                             the statements both stores share
+#   The SQLite file, The lease board, The SQLite store         the default store (one host)
+#   The PostgreSQL store, PostgreSQL: locks and changes        the store of many hosts
+#   Choosing the store                                         _store_at: from a path or URL to a store
+#   Leases and heartbeats                                      the renewing thread, timers, the watchdog
+#   Jobs and options, The store from the event loop            declarations; calls queued to the store
+#   The run context and checkpoints, Running an attempt        what a handler gets; _Runner
+#   Planning occurrences, Metrics, Talking to systemd          what is due; Prometheus text; sd_notify
+#   The scheduler loop                                         _Loop: join, look, fire, claim, take over
+#   The scheduler                                              Scheduler (the public face) and Control
+#   Shell commands in process groups, Crontab files            what ``crontab`` runs, and reads
+#   The command line                                           ``python -m anarchon_lite``
+
 from __future__ import annotations
 
 import abc
@@ -108,6 +126,7 @@ __all__ = [
     "StatusPage",
     "StoreError",
     "SystemClock",
+    "command_handler",
     "format_duration",
     "main",
     "parse_duration",
@@ -926,8 +945,8 @@ def _rule_text(rule: _rrule.rrule) -> str:
 ###############################################################################
 #
 # The records the scheduler and a store exchange, and the interface every store implements. The
-# scheduler makes its ``_Backend`` from its path once, in ``__init__``; past that it never opens a
-# file, reads /proc or names a lease clock.
+# scheduler is given its ``_Backend`` (``_store_at`` makes it from the path or URL, once); past that
+# it never opens a file, reads /proc or names a lease clock.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1021,17 +1040,17 @@ class _Claim:
     failures: int = 0
 
 
-class _Claimless(enum.Enum):
+class _NotClaimed(enum.Enum):
     """What ``claim_due_many`` did for a job when it did not claim a run of it."""
 
     MOVED = "moved"  # another process moved the job's watermark first: nothing was written
     RECORDED = "recorded"  # the occurrence was recorded without running: skipped, or missed
 
 
-_Claimed = Union[_Claim, _Claimless]
+_Claimed = Union[_Claim, _NotClaimed]
 
 
-class _Then(enum.Enum):
+class _AfterEnd(enum.Enum):
     """What becomes of a run after an attempt ends."""
 
     DONE = "done"  # the run is over
@@ -1062,7 +1081,7 @@ class _End:
     status: str
     error: str | None
     now_ms: int
-    then: _Then = _Then.DONE
+    then: _AfterEnd = _AfterEnd.DONE
     not_before: int = 0
     output: str | None = None
 
@@ -1380,6 +1399,18 @@ class _Changes(abc.ABC):
     #: a second; they learn of a change within 1 s all the same.
     coalesce = 0.0
 
+    def recheck(self, changed: bool, written: bool, previous: float) -> float:
+        """Seconds after which the loop looks again though it saw no change (0: not before its next
+        wake-up), given whether ``version`` changed since the last look, whether a write was told
+        (or made here) since then, and the previous answer. A file watch (inotify) reports a WAL
+        write a moment before its commit is visible: after a write with no visible change, look
+        again after 5, 25, 125 and 625 ms."""
+        if changed:
+            return 0.0
+        if written:
+            return 0.005
+        return previous * 5 if 0 < previous < 0.5 else 0.0
+
     def settles_in(self, run: _RunRow) -> float:
         """Seconds until ``owner_gone`` may call ``run``'s owner gone where it does not yet (a free
         lock waiting out the owner's chance to notice it); infinity when nothing is waited for."""
@@ -1430,27 +1461,402 @@ class _Backend(abc.ABC):
     ``_Changes``. Everything that depends on where the state lives is behind it."""
 
     where: str  #: the database as messages name it (a path; a URL without its password)
+    #: Seconds between the scheduler's looks when nothing tells it of changes (``poll=``, at most 1 s).
+    look_every: float = 0.5
+    #: Whether the scheduler was asked to poll (``poll=``): ``on_change`` is then never called for
+    #: other processes' writes, and the loop looks every ``look_every``.
+    polled: bool = False
 
     @abc.abstractmethod
-    def main(self) -> _Store:
+    def control_store(self) -> _Store:
         """The scheduler's own store: claims, ends, checkpoints, control; durable when a call returns."""
 
     @abc.abstractmethod
-    def heartbeat(self) -> _Store:
+    def renewal_store(self) -> _Store:
         """The heartbeat thread's: renewals that wait for contention as briefly as they can."""
 
     @abc.abstractmethod
-    def fallback(self) -> _Store | _AsyncRenewal | None:
+    def loop_renewal(self) -> _Store | _AsyncRenewal | None:
         """The event loop's fallback renewal: a store whose calls never block, or renewals awaited
         on the loop; None if there can be none."""
 
     @abc.abstractmethod
-    def changes(
-        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
-    ) -> _Changes:
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
         """The loop's view of changes, for the scheduler ``instance`` of this process (open from
-        before it joins until it has left); with ``poll``, ``on_change`` is never called for
+        before it joins until it has left); when ``polled``, ``on_change`` is never called for
         other processes' writes."""
+
+
+###############################################################################
+# Files this process trusts ###################################################
+###############################################################################
+
+
+# Trust (the README's "Trust model"): the files this process acts on must be its own. A database, its
+# -wal and -shm, the lease board or the liveness directory that another user owns, or that users
+# other than the owner may write, could make this process run, skip or record what they choose: it
+# is refused, as OpenSSH's StrictModes and cron refuse such files. With ``shared_group`` (an app
+# user and a deploy user in one group) a file whose group is one of this process's groups is
+# trusted whoever owns it, and that group may write it; a file every user may write never is. A
+# directory that holds them belongs to this user or to root (or, shared, to the group) and may be
+# written by others only if it is sticky (/tmp): there only a file's owner can remove or replace it.
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    import grp
+
+    try:
+        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _distrust(status: os.stat_result, shared_group: bool, directory: bool = False) -> str | None:
+    """The rule that a file (or directory) of ``status`` breaks, as the end of a sentence; None if
+    this process may trust it (see above)."""
+    me, mode = os.geteuid(), status.st_mode
+    if directory != stat.S_ISDIR(mode) or not (directory or stat.S_ISREG(mode)):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "a special file"
+        return "is not a directory" if directory else f"is {kind}, not a regular file"
+    group = shared_group and status.st_gid in {os.getegid(), *os.getgroups()}
+    if status.st_uid != me and not group and not (directory and status.st_uid == 0):
+        return f"is owned by {_user(status.st_uid)}, not by this process's {_user(me)}"
+    if directory and mode & stat.S_ISVTX:
+        return None  # (only a file's owner may remove or rename it)
+    if mode & stat.S_IWOTH:
+        return "may be written by every user"
+    if mode & stat.S_IWGRP and not group:
+        return f"may be written by its group, {_group(status.st_gid)} (shared_group=True, --shared-group, trusts it)"
+    return None
+
+
+def _check_trusted(path: str, what: str, status: os.stat_result, shared_group: bool, directory: bool = False) -> None:
+    """Raise ``StoreError`` naming ``path`` (``what`` it is) and the rule, if it is not to be trusted."""
+    rule = _distrust(status, shared_group, directory)
+    if rule is not None:
+        raise _Refused(path, f"{what} {rule}: refused (see the README's Trust model)")
+
+
+def _what(suffix: str) -> str:
+    """How a message names the database file (``""``) or the file beside it with ``suffix``."""
+    return f"the database's {suffix} file" if suffix else "the database file"
+
+
+def _opened(paths: Iterable[str]) -> dict[str, list[os.stat_result]] | None:
+    """The files this process has open under each of ``paths`` (absolute, links resolved), as the
+    open files themselves say (``/proc/self/fd``: not what the paths name now); None without /proc."""
+    wanted: dict[str, list[os.stat_result]] = {path: [] for path in paths}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target in wanted:
+                wanted[target].append(os.stat(f"/proc/self/fd/{name}"))
+        except OSError:
+            continue  # (closed meanwhile)
+    return wanted
+
+
+def _create_file(path: str, shared_group: bool) -> bool:
+    """Create ``path`` empty, owner-only (with ``shared_group``, its group's too), never through a
+    link planted at its name; False if it existed."""
+    mode = 0o660 if shared_group else 0o600
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        return False
+    try:
+        os.fchmod(fd, mode)  # (past the umask)
+    finally:
+        os.close(fd)  # (a new file: this process holds no lock on it that closing would drop)
+    return True
+
+
+###############################################################################
+# Processes on this host ######################################################
+###############################################################################
+#
+# Whether a process still exists (``/proc``: a zombie is gone, a reused pid is told apart by its
+# start time, other pid namespaces and boots are never judged by pid), the process groups of
+# commands, and liveness sockets: an owner's death told by the kernel the moment it happens.
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
+    fields = _process_stat(pid)
+    return None if fields is None else (fields[0], int(fields[19]))
+
+
+def _process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
+    text = _read_text(f"/proc/{pid}/stat")
+    return None if text is None else text[text.rfind(")") + 2 :].split()
+
+
+def _group_record(pgid: int, me: _Owner, nonce: str) -> str:
+    """What identifies a process group that this process just started: its id, the leader's start
+    time (a reused pid is told apart), the boot, the pid namespace, and the nonce of the marker in
+    its command's environment (JSON, kept with the run)."""
+    started = _process_start(pgid)
+    start = started[1] if started else None
+    return json.dumps({"pgid": pgid, "start": start, "boot": me.boot_id, "ns": me.namespace, "run": nonce})
+
+
+def _group_members(pgid: int) -> list[str]:
+    """``pid name`` of the live processes of process group ``pgid`` (Linux: from /proc; elsewhere
+    only whether there are any)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        return ["processes of another user"]
+    if not os.path.isdir("/proc/self"):
+        return ["processes"]
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _process_stat(int(name))
+            if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
+                found.append(f"{name} ({comm})")
+    return found
+
+
+def _this_owner(instance: str) -> _Owner:
+    pid = os.getpid()
+    started = _process_start(pid)
+    namespace = None
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return _Owner(
+        instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id")
+    )
+
+
+def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
+    """Why the process ``owner`` no longer exists, or None when it may be alive.
+
+    Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
+    or a pid now used by a process that started at another time.
+    """
+    if owner.boot_id and me.boot_id and owner.boot_id != me.boot_id:
+        return "the owner's host rebooted"
+    if owner.namespace is None or owner.namespace != me.namespace or me.start is None:
+        return None
+    state = _process_start(owner.pid)
+    if state is None:
+        return f"owner process {owner.pid} exited"
+    if state[0] in ("Z", "X"):
+        return f"owner process {owner.pid} exited (zombie)"
+    if owner.start is not None and state[1] != owner.start:
+        return f"owner process {owner.pid} exited (pid reused)"
+    return None
+
+
+def _live_name(owner: _Owner) -> str:
+    """The name of ``owner``'s liveness socket: one scheduler instance of one process (a reused pid,
+    or the same instance name in a later process, names another)."""
+    key = "\0".join(str(part) for part in (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id))
+    return "p-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass
+class _Watched:
+    """A connection to another process's liveness socket."""
+
+    sock: socket.socket | None  #: None once the owner's socket closed (or before any connection)
+    ended: bool = False  #: the kernel closed the owner's socket while connected
+    asked: float = 0.0  #: when (``time.monotonic``) a run of this owner was last asked about
+
+
+class _Liveness:
+    """Owners' deaths as the kernel tells them, the moment they happen, on one host.
+
+    While it serves, each scheduler listens on a unix socket of its own in the directory beside the
+    database (``jobs.db-live/``); nothing is ever accepted. A process watching one of its runs
+    connects once; when the owner's process ends, however it ends (``kill -9`` included), the
+    kernel closes the listening socket, the watcher's connection turns readable, the loop is woken
+    (``on_change``) and the owner is gone. No ``/proc`` is needed, so it holds across pid namespaces
+    (containers sharing the volume). A frozen owner keeps its socket open: its lease decides. An
+    owner whose socket cannot be found (a directory it could not write) is judged as before:
+    ``/proc`` and the lease. One descriptor per watched owner, closed when it ends or is not
+    asked about for ``_FORGET`` seconds; no thread.
+    """
+
+    _FORGET = 60.0
+
+    def __init__(
+        self, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], shared_group: bool = False
+    ):
+        self._dir = _real_path(path) + "-live"
+        self._shared_group = shared_group
+        self._loop, self._on_change = loop, on_change
+        self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
+        self._listener: socket.socket | None = None
+        self._own: tuple[str, int] | None = None  # our socket's name and inode
+        self._watched: dict[str, _Watched] = {}
+        self._forgot = time.monotonic()
+
+    def _where(self, name: str) -> str:
+        path = os.path.join(self._dir, name)
+        if len(os.fsencode(path)) < 100 or self._dir_fd is None:
+            return path
+        return f"/proc/self/fd/{self._dir_fd}/{name}"
+
+    def _open_dir(self) -> bool:
+        """Open the directory (made owner-only, or its group's too when shared); ``StoreError`` if
+        this process may not trust it: whoever may write it could plant a socket that lies about
+        who is alive."""
+        if self._dir_fd is None:
+            mode = 0o770 if self._shared_group else 0o700
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(self._dir, mode)  # (never through a link: mkdir does not follow one)
+                    os.chmod(self._dir, mode)  # (past the umask)
+                fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                return False
+            try:
+                _check_trusted(self._dir, "the liveness directory", os.fstat(fd), self._shared_group, directory=True)
+            except StoreError:
+                os.close(fd)
+                raise
+            self._dir_fd = fd
+        return True
+
+    def listen(self, me: _Owner) -> None:
+        """Listen as ``me`` (before joining: a run of ours is never recorded before the socket is
+        there), and sweep away the sockets of processes that have ended."""
+        if not hasattr(socket, "AF_UNIX") or not self._open_dir():
+            return
+        name = _live_name(me)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            fresh = self._where(f"{name}.new")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fresh)
+            listener.bind(fresh)
+            if self._shared_group:
+                os.chmod(fresh, 0o770)  # (its group's processes connect to it)
+            listener.listen(socket.SOMAXCONN)
+            os.replace(fresh, self._where(name))  # a name that exists is always listened on
+            self._own = (name, os.stat(self._where(name)).st_ino)
+        except OSError as exc:
+            listener.close()
+            _log.debug("no liveness socket in %s: %s", self._dir, exc)
+            return
+        self._listener = listener
+        self._sweep(name)
+
+    def _sweep(self, own: str) -> None:
+        try:
+            names = [n for n in os.listdir(self._dir) if n.startswith("p-") and "." not in n and n != own]
+        except OSError:
+            return
+        for name in names:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+            try:
+                probe.connect(self._where(name))
+            except ConnectionRefusedError:  # nobody listens: its process ended
+                with contextlib.suppress(OSError):
+                    os.unlink(self._where(name))
+            except OSError:
+                pass
+            finally:
+                probe.close()
+
+    def gone(self, owner: _Owner) -> str | None:
+        """Why ``owner``'s process has ended, by its socket; None while it may be alive."""
+        try:
+            if not self._open_dir():
+                return None
+        except StoreError:
+            return None  # (said when listening)
+        now = time.monotonic()
+        if now - self._forgot > self._FORGET / 4:
+            self._forget(now)
+        name = _live_name(owner)
+        watched = self._watched.setdefault(name, _Watched(None))
+        watched.asked = now
+        if watched.sock is not None:
+            return None
+        # (again after an end: a later scheduler of the same instance name in the same process
+        # listens on the same name, and its runs are its own)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:
+            sock.connect(self._where(name))
+        except ConnectionRefusedError:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._where(name))
+            return f"owner process {owner.pid} exited (nothing listens on its liveness socket)"
+        except FileNotFoundError:
+            sock.close()
+            return f"owner process {owner.pid} exited (its liveness socket closed)" if watched.ended else None
+        except OSError:
+            sock.close()
+            return None
+        watched.sock = sock
+        self._loop.add_reader(sock.fileno(), self._ended, name)
+        return None
+
+    def _ended(self, name: str) -> None:
+        watched = self._watched.get(name)
+        if watched is None or watched.sock is None:
+            return
+        self._drop(watched)
+        watched.ended = True
+        self._on_change()
+
+    def _drop(self, watched: _Watched) -> None:
+        if watched.sock is not None:
+            self._loop.remove_reader(watched.sock.fileno())
+            watched.sock.close()
+            watched.sock = None
+
+    def _forget(self, now: float) -> None:
+        self._forgot = now
+        for name, watched in list(self._watched.items()):
+            if now - watched.asked > self._FORGET:
+                self._drop(watched)
+                del self._watched[name]
+
+    def close(self) -> None:
+        """Stop listening (our socket's name is removed) and watching."""
+        for watched in self._watched.values():
+            self._drop(watched)
+        self._watched.clear()
+        if self._listener is not None and self._own is not None:
+            name, inode = self._own
+            with contextlib.suppress(OSError):
+                if os.stat(self._where(name)).st_ino == inode:  # (not a later listener's of the same name)
+                    os.unlink(self._where(name))
+            self._listener.close()
+            self._listener = self._own = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
 
 ###############################################################################
@@ -1537,11 +1943,12 @@ _SQL_NOT_DECLARED = (  # (``{live}``: the placeholders of the running processes'
     "THEN 0 ELSE 1 END"
 )
 _SQL_ADVANCE = (
-    f"UPDATE jobs SET last_slot = ?, next_slot = ?, changed = {_SQL_NEXT_CHANGE} WHERE name = ? AND last_slot = ?"
+    f"UPDATE jobs SET last_slot = :slot, next_slot = :next_slot, changed = {_SQL_NEXT_CHANGE} "
+    "WHERE name = :job AND last_slot = :expected_last"
 )
 _SQL_SET_PAUSED = (
-    "UPDATE jobs SET paused = ?, last_slot = CASE WHEN last_slot > ? THEN last_slot ELSE ? END, "
-    f"changed = {_SQL_NEXT_CHANGE} WHERE name = ?"
+    "UPDATE jobs SET paused = :paused, last_slot = CASE WHEN last_slot > :since THEN last_slot ELSE :since END, "
+    f"changed = {_SQL_NEXT_CHANGE} WHERE name = :job"
 )
 _SQL_RUN_COLUMNS = (
     "job, slot, attempt, state, not_before, failures, owner, owner_pid, owner_start, owner_ns, boot_id, "
@@ -1553,10 +1960,10 @@ _SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
 _SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
 _SQL_INSERT_DUE_RUN = _SQL_INSERT_RUN + " ON CONFLICT (job, slot) DO NOTHING"  # (already triggered by hand)
 _SQL_TAKE_RUN = (
-    "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = ?, owner_pid = ?, owner_start = ?, "
-    "owner_ns = ?, boot_id = ?, lease_until = lease_clock() + ?, lease = ?, started_at = ?, progress_done = NULL, "
-    "progress_total = NULL "
-    "WHERE job = ? AND slot = ?"
+    "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = :owner, owner_pid = :pid, "
+    "owner_start = :start, owner_ns = :namespace, boot_id = :boot_id, lease_until = lease_clock() + :lease, "
+    "lease = :lease, started_at = :now_ms, progress_done = NULL, progress_total = NULL "
+    "WHERE job = :job AND slot = :slot"
 )
 _SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
 _SQL_FENCE = "job = ? AND slot = ? AND attempt = ? AND owner = ? AND state = 'running'"
@@ -1569,15 +1976,15 @@ _SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = ? WHERE {_SQL_FENCE}"
 _SQL_PROCESS_GROUP = "SELECT process_group FROM runs WHERE job = ? AND slot = ?"
 _SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
 _SQL_RELEASE = (
-    "UPDATE runs SET state = 'pending', not_before = ?, failures = failures + ?, owner = NULL, "
-    "lease_until = NULL WHERE job = ? AND slot = ?"
+    "UPDATE runs SET state = 'pending', not_before = :not_before, failures = failures + :failed, owner = NULL, "
+    "lease_until = NULL WHERE job = :job AND slot = :slot"
 )
 _SQL_DELETE_RUN = "DELETE FROM runs WHERE job = ? AND slot = ?"
 _SQL_CANCEL = "UPDATE runs SET cancel = 1 WHERE job = ?"
 _SQL_CANCEL_PENDING = "SELECT slot, attempt FROM runs WHERE job = ? AND state = 'pending'"
 _SQL_RECORD = (
-    "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
+    "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) VALUES "
+    "(:job, :slot, :attempt, :status, :instance, :started_at, :finished_at, :error) ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, "
     "finished_at = excluded.finished_at, error = excluded.error"
 )
 _SQL_END_ATTEMPT = (
@@ -1636,11 +2043,111 @@ _SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot; held is 1 when no atte
     "(SELECT value FROM checkpoints WHERE job = ? AND slot = ?)"
 )
 _SQL_CHECKPOINT_SET = (
-    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (?, ?, ?, ?, ?) "
+    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (:job, :slot, :value, :now_ms, :attempt) "
     "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at, "
     "attempt = excluded.attempt"
 )
 _SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
+
+
+# The tables, written once for both stores: ``_dialect`` renders them, ``{ms}`` being the type of a
+# time in milliseconds (or a slot), ``{real}`` of seconds, ``{id}`` the history's growing id,
+# ``{new}`` and ``{rowid}`` what SQLite adds. Each store adds its own ``instances`` table (what tells
+# that a process is gone differs) and what only it has (PostgreSQL: ``meta``, its lock keys and
+# functions; SQLite keeps its version in ``PRAGMA user_version``).
+_SQL_JOB_TABLES = (
+    # One row per declared job: its pause flag, its watermark (every occurrence up to ``last_slot``
+    # has been handled: run, skipped or missed) and its newest record's status and start.
+    """CREATE TABLE {new}jobs (
+        name TEXT PRIMARY KEY,
+        schedule TEXT NOT NULL,
+        paused INTEGER NOT NULL DEFAULT 0,
+        last_slot {ms} NOT NULL,
+        next_slot {ms},
+        definition TEXT,
+        declared_by TEXT,
+        changed {ms} NOT NULL DEFAULT 0,
+        last_status TEXT,
+        last_at {ms}
+    )""",
+    "CREATE INDEX {new}jobs_by_change ON jobs (changed)",
+    # One row per unfinished occurrence: waiting to be claimed, or running under a lease.
+    """CREATE TABLE {new}runs (
+        job TEXT NOT NULL,
+        slot {ms} NOT NULL,
+        attempt INTEGER NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
+        not_before {ms} NOT NULL,
+        failures INTEGER NOT NULL DEFAULT 0,
+        owner TEXT,
+        owner_pid INTEGER,
+        owner_start {ms},
+        owner_ns TEXT,
+        boot_id TEXT,
+        lease_until {real},
+        lease {real},
+        cancel INTEGER NOT NULL DEFAULT 0,
+        progress_done {real},
+        progress_total {real},
+        started_at {ms},
+        process_group TEXT,
+        PRIMARY KEY (job, slot)
+    ){rowid}""",
+    # One row per attempt, and per skipped or missed occurrence (attempt 0). (A new id is always
+    # the largest: records are only ever deleted from the oldest end, or replaced by a newer id.)
+    """CREATE TABLE {new}history (
+        id {id},
+        job TEXT NOT NULL,
+        slot {ms} NOT NULL,
+        attempt INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        instance TEXT,
+        started_at {ms},
+        finished_at {ms},
+        error TEXT,
+        output TEXT,
+        UNIQUE (job, slot, attempt)
+    )""",
+    "CREATE INDEX {new}history_by_job ON history (job, id)",
+    "CREATE INDEX {new}history_by_slot ON history (slot)",
+)
+# Which process declares which job (rows of processes that are gone are deleted by the next to join).
+_SQL_DECLARATIONS_TABLE = """CREATE TABLE IF NOT EXISTS declarations (
+        job TEXT NOT NULL,
+        instance TEXT NOT NULL,
+        PRIMARY KEY (job, instance)
+    ){rowid}"""
+_SQL_CHECKPOINT_TABLES = (
+    # One row per saved checkpoint; ``attempt`` is the attempt that saved it (NULL from outside a run).
+    """CREATE TABLE {new}checkpoints (
+        job TEXT NOT NULL,
+        slot {ms} NOT NULL,
+        value TEXT NOT NULL,
+        updated_at {ms} NOT NULL,
+        attempt INTEGER,
+        PRIMARY KEY (job, slot)
+    )""",
+    _SQL_TOTALS_TABLE,
+)
+# From each earlier version to the next, in place and in one transaction with the version change
+# (what both stores share; each adds its own). Every step only adds, so a process of the previous
+# version still running on the database keeps working (a job row it inserts has change number 0:
+# the full read a process makes every ``_FULL_READ`` seconds finds it).
+_SQL_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    4: (
+        "ALTER TABLE jobs ADD COLUMN changed BIGINT NOT NULL DEFAULT 0",
+        "UPDATE jobs SET changed = 1",
+        "CREATE INDEX jobs_by_change ON jobs (changed)",
+    ),
+    5: (_SQL_TOTALS_TABLE,),
+    6: ("ALTER TABLE instances ADD COLUMN declares INTEGER", _SQL_DECLARATIONS_TABLE),
+    7: ("ALTER TABLE jobs ADD COLUMN last_status TEXT", "ALTER TABLE jobs ADD COLUMN last_at {ms}", _SQL_FILL_NEWEST),
+}
+
+
+def _dialect(statements: Iterable[str], types: dict[str, str]) -> tuple[str, ...]:
+    """``statements`` (of the shared schema) as one store writes them."""
+    return tuple(statement.format_map(types) if "{" in statement else statement for statement in statements)
 
 
 _job_row = _JobRow._make
@@ -1658,6 +2165,30 @@ def _reader(conn: Any) -> Callable[[str, Sequence[Any]], list[Any]]:
         return list(conn.execute(sql, args).fetchall())
 
     return read
+
+
+def _record(
+    job: str,
+    slot: int,
+    attempt: int,
+    status: str,
+    instance: str | None = None,
+    *,
+    started_at: int | None = None,
+    finished_at: int | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """The named parameters of ``_SQL_RECORD``."""
+    return {
+        "job": job,
+        "slot": slot,
+        "attempt": attempt,
+        "status": status,
+        "instance": instance,
+        "started_at": started_at,
+        "finished_at": finished_at,
+        "error": error,
+    }
 
 
 def _run_row(row: Sequence[Any]) -> _RunRow:
@@ -1762,7 +2293,9 @@ class _SQLStore(_Store):
     def set_paused(self, name: str, paused: bool, now_ms: int) -> bool:
         def work(conn: Any) -> bool:
             since = 0 if paused else now_ms
-            return bool(conn.execute(_SQL_SET_PAUSED, (int(paused), since, since, name)).rowcount == 1)
+            return bool(
+                conn.execute(_SQL_SET_PAUSED, {"paused": int(paused), "since": since, "job": name}).rowcount == 1
+            )
 
         return self._write(work)
 
@@ -1777,23 +2310,24 @@ class _SQLStore(_Store):
 
         # (Of four processes claiming the same due jobs, three find them moved: their telling woke
         # the others for nothing, 3,700 times in the PostgreSQL benchmark's 45 s.)
-        return self._write(work, notify=lambda claims: any(c is not _Claimless.MOVED for c in claims))
+        return self._write(work, notify=lambda claims: any(c is not _NotClaimed.MOVED for c in claims))
 
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
         job, slot = due.job, due.slot
-        if conn.execute(_SQL_ADVANCE, (slot, due.next_slot, job, due.expected_last)).rowcount != 1:
-            return _Claimless.MOVED
-        records = [(job, s, 0, "missed", None, None, now_ms, e) for s, e in due.missed]
+        advance = {"slot": slot, "next_slot": due.next_slot, "job": job, "expected_last": due.expected_last}
+        if conn.execute(_SQL_ADVANCE, advance).rowcount != 1:
+            return _NotClaimed.MOVED
+        records = [_record(job, s, 0, "missed", finished_at=now_ms, error=e) for s, e in due.missed]
         conn.executemany(_SQL_RECORD, records)
         if due.missed:
             self._prune(conn, job)
         if not due.run:
-            return _Claimless.RECORDED
+            return _NotClaimed.RECORDED
         if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
             self._skip(conn, job, slot, owner, now_ms)
-            return _Claimless.RECORDED
+            return _NotClaimed.RECORDED
         if conn.execute(_SQL_INSERT_DUE_RUN, (job, slot, now_ms)).rowcount == 0:
-            return _Claimless.RECORDED  # a run of that very slot was triggered: it is claimed as pending
+            return _NotClaimed.RECORDED  # a run of that very slot was triggered: it is claimed as pending
         return self._take(conn, job, slot, owner, due.lease, now_ms)
 
     def _take(self, conn: Any, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
@@ -1801,10 +2335,21 @@ class _SQLStore(_Store):
         stamped on the lease clock, with what tells whether this process still exists."""
         me = self._owner()
         conn.execute(
-            _SQL_TAKE_RUN, (owner, me.pid, me.start, me.namespace, me.boot_id, lease, lease, now_ms, job, slot)
+            _SQL_TAKE_RUN,
+            {
+                "owner": owner,
+                "pid": me.pid,
+                "start": me.start,
+                "namespace": me.namespace,
+                "boot_id": me.boot_id,
+                "lease": lease,
+                "now_ms": now_ms,
+                "job": job,
+                "slot": slot,
+            },
         )
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
-        conn.execute(_SQL_RECORD, (job, slot, attempt, "running", owner, now_ms, None, None))
+        conn.execute(_SQL_RECORD, _record(job, slot, attempt, "running", owner, started_at=now_ms))
         return _Claim(job, slot, attempt, failures)
 
     def claim(
@@ -1846,12 +2391,13 @@ class _SQLStore(_Store):
         return False
 
     def _skip(self, conn: Any, job: str, slot: int, owner: str, now_ms: int) -> None:
-        conn.execute(_SQL_RECORD, (job, slot, 0, "skipped", owner, None, now_ms, "an earlier run is unfinished"))
+        skipped = _record(job, slot, 0, "skipped", owner, finished_at=now_ms, error="an earlier run is unfinished")
+        conn.execute(_SQL_RECORD, skipped)
         self._prune(conn, job)
 
     def _end(self, conn: Any, row: _RunRow, status: str, error: str, now_ms: int) -> None:
         conn.execute(_SQL_DELETE_RUN, (row.job, row.slot))
-        conn.execute(_SQL_RECORD, (row.job, row.slot, row.attempt, status, None, None, now_ms, error))
+        conn.execute(_SQL_RECORD, _record(row.job, row.slot, row.attempt, status, finished_at=now_ms, error=error))
         self._prune(conn, row.job)
 
     # -- an attempt's writes (fenced) -------------------------------------------------------------
@@ -1884,11 +2430,17 @@ class _SQLStore(_Store):
         ended = (end.status, end.now_ms, end.error, end.output, job, slot, attempt)
         if conn.execute(_SQL_END_NEWEST, (*ended, job)).rowcount == 0:  # others were recorded since: made the newest
             conn.execute(self._SQL_FINISH_ATTEMPT, ended)
-        if end.then is _Then.DONE:
+        if end.then is _AfterEnd.DONE:
             conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
         else:
-            conn.execute(_SQL_RELEASE, (end.not_before, int(end.then is _Then.RETRY), job, slot))
+            release = {
+                "not_before": end.not_before,
+                "failed": int(end.then is _AfterEnd.RETRY),
+                "job": job,
+                "slot": slot,
+            }
+            conn.execute(_SQL_RELEASE, release)
         return True
 
     def _prune(self, conn: Any, job: str) -> None:
@@ -1919,7 +2471,8 @@ class _SQLStore(_Store):
             pending = conn.execute(_SQL_CANCEL_PENDING, (job,)).fetchall()
             for slot, attempt in pending:
                 conn.execute(_SQL_DELETE_RUN, (job, slot))
-                conn.execute(_SQL_RECORD, (job, slot, attempt, "cancelled", None, None, now_ms, "cancelled"))
+                cancelled = _record(job, slot, attempt, "cancelled", finished_at=now_ms, error="cancelled")
+                conn.execute(_SQL_RECORD, cancelled)
             return int(conn.execute(_SQL_CANCEL, (job,)).rowcount) + len(pending)
 
         return self._write(work)
@@ -1993,7 +2546,9 @@ class _SQLStore(_Store):
             if value is None:
                 conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
             else:
-                conn.execute(_SQL_CHECKPOINT_SET, (job, slot, value, now_ms, None if fence is None else fence[0]))
+                attempt = None if fence is None else fence[0]
+                checkpoint = {"job": job, "slot": slot, "value": value, "now_ms": now_ms, "attempt": attempt}
+                conn.execute(_SQL_CHECKPOINT_SET, checkpoint)
             return True
 
         return self._write(work, notify=False)
@@ -2044,7 +2599,7 @@ class _SQLStore(_Store):
 
 
 ###############################################################################
-# The SQLite store ############################################################
+# The SQLite file #############################################################
 ###############################################################################
 
 # The WAL is written back into the file once it holds this many bytes of pages (1 MiB), and cut
@@ -2055,12 +2610,7 @@ _WAL_LIMIT = 1024 * 1024
 # changes about ten (a job row, a run row, a history record, their indexes): 1 KiB each instead of
 # SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
 _PAGE_SIZE = 1024
-_OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteStore._connect)
-_SQL_DECLARATIONS_TABLE = """CREATE TABLE IF NOT EXISTS declarations (
-        job TEXT NOT NULL,
-        instance TEXT NOT NULL,
-        PRIMARY KEY (job, instance)
-    ) WITHOUT ROWID"""
+_OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteFile._connect)
 _SQLITE_KEEP_NEWEST, _SQLITE_IS_NEWEST = (sql.format(schema="") for sql in (_SQL_KEEP_NEWEST, _SQL_IS_NEWEST))
 _SQLITE_NEWEST_TRIGGERS = (
     f"CREATE TRIGGER IF NOT EXISTS history_added AFTER INSERT ON history BEGIN {_SQLITE_KEEP_NEWEST}; END",
@@ -2069,64 +2619,17 @@ _SQLITE_NEWEST_TRIGGERS = (
         f"WHEN {_SQLITE_IS_NEWEST} BEGIN {_SQLITE_KEEP_NEWEST}; END"
     ),
 )
-_SCHEMA = (
-    # One row per declared job: its pause flag, its watermark (every occurrence up to ``last_slot``
-    # has been handled: run, skipped or missed) and its newest record's status and start.
-    """CREATE TABLE IF NOT EXISTS jobs (
-        name TEXT PRIMARY KEY,
-        schedule TEXT NOT NULL,
-        paused INTEGER NOT NULL DEFAULT 0,
-        last_slot INTEGER NOT NULL,
-        next_slot INTEGER,
-        definition TEXT,
-        declared_by TEXT,
-        changed INTEGER NOT NULL DEFAULT 0,
-        last_status TEXT,
-        last_at INTEGER
-    )""",
-    "CREATE INDEX IF NOT EXISTS jobs_by_change ON jobs (changed)",
-    # One row per unfinished occurrence: waiting to be claimed, or running under a lease.
-    """CREATE TABLE IF NOT EXISTS runs (
-        job TEXT NOT NULL,
-        slot INTEGER NOT NULL,
-        attempt INTEGER NOT NULL,
-        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
-        not_before INTEGER NOT NULL,
-        failures INTEGER NOT NULL DEFAULT 0,
-        owner TEXT,
-        owner_pid INTEGER,
-        owner_start INTEGER,
-        owner_ns TEXT,
-        boot_id TEXT,
-        lease_until REAL,
-        lease REAL,
-        cancel INTEGER NOT NULL DEFAULT 0,
-        progress_done REAL,
-        progress_total REAL,
-        started_at INTEGER,
-        process_group TEXT,
-        PRIMARY KEY (job, slot)
-    ) WITHOUT ROWID""",
-    # One row per attempt, and per skipped or missed occurrence (attempt 0). (A new id is always
-    # the largest: records are only ever deleted from the oldest end, or replaced by a newer id.)
-    """CREATE TABLE IF NOT EXISTS history (
-        id INTEGER PRIMARY KEY,
-        job TEXT NOT NULL,
-        slot INTEGER NOT NULL,
-        attempt INTEGER NOT NULL,
-        status TEXT NOT NULL,
-        instance TEXT,
-        started_at INTEGER,
-        finished_at INTEGER,
-        error TEXT,
-        output TEXT,
-        UNIQUE (job, slot, attempt)
-    )""",
-    "CREATE INDEX IF NOT EXISTS history_by_job ON history (job, id)",
-    "CREATE INDEX IF NOT EXISTS history_by_slot ON history (slot)",
-    # One row per running scheduler process, so that a process can tell whether it starts alone;
-    # ``declares``: how many jobs it declares (NULL from a process of a version before 6).
-    """CREATE TABLE IF NOT EXISTS instances (
+_SQLITE_TYPES = {
+    "ms": "INTEGER",
+    "real": "REAL",
+    "id": "INTEGER PRIMARY KEY",
+    "new": "IF NOT EXISTS ",
+    "rowid": " WITHOUT ROWID",
+}
+# One row per running scheduler process, so that a process can tell whether it starts alone, and
+# what tells whether it still exists on this host; ``declares``: how many jobs it declares (NULL
+# from a process of a version before 6).
+_SQLITE_INSTANCES_TABLE = """CREATE TABLE IF NOT EXISTS instances (
         instance TEXT PRIMARY KEY,
         pid INTEGER NOT NULL,
         start INTEGER,
@@ -2135,52 +2638,27 @@ _SCHEMA = (
         started_at INTEGER NOT NULL,
         host TEXT,
         declares INTEGER
-    )""",
-    _SQL_DECLARATIONS_TABLE,
-    # One row per saved checkpoint; ``attempt`` is the attempt that saved it (NULL from outside a run).
-    """CREATE TABLE IF NOT EXISTS checkpoints (
-        job TEXT NOT NULL,
-        slot INTEGER NOT NULL,
-        value TEXT NOT NULL,
-        updated_at INTEGER NOT NULL,
-        attempt INTEGER,
-        PRIMARY KEY (job, slot)
-    )""",
-    _SQL_TOTALS_TABLE,
+    )"""
+_SCHEMA = (
+    *_dialect(_SQL_JOB_TABLES, _SQLITE_TYPES),
+    _SQLITE_INSTANCES_TABLE,
+    *_dialect((_SQL_DECLARATIONS_TABLE, *_SQL_CHECKPOINT_TABLES), _SQLITE_TYPES),
     *_SQLITE_NEWEST_TRIGGERS,
 )
 # The tables that every version of the schema has: a file with a schema version and without them is
-# another application's (``_SQLiteStore._refuse_foreign``).
+# another application's (``_SQLiteFile._refuse_foreign``).
 _OWN_TABLES = {"jobs", "runs", "history", "instances", "checkpoints"}
-# From each earlier version to the next, in place and in one transaction with the version change.
-# Every step only adds, so a process of the previous version still running on the file keeps working
-# (a job row it inserts has change number 0: the full read a process makes every ``_FULL_READ``
-# seconds finds it).
-_MIGRATE_TO_CHANGE_NUMBERS = (
-    "ALTER TABLE jobs ADD COLUMN changed BIGINT NOT NULL DEFAULT 0",
-    "UPDATE jobs SET changed = 1",
-    "CREATE INDEX jobs_by_change ON jobs (changed)",
-)
-_MIGRATIONS: dict[int, tuple[str, ...]] = {
+_MIGRATIONS: dict[int, tuple[str, ...]] = {  # (versions 2 and 3 were never written on PostgreSQL)
     2: ("ALTER TABLE checkpoints ADD COLUMN attempt INTEGER",),
     3: (
         "ALTER TABLE jobs ADD COLUMN definition TEXT",
         "ALTER TABLE jobs ADD COLUMN declared_by TEXT",
         "ALTER TABLE runs ADD COLUMN process_group TEXT",
     ),
-    4: _MIGRATE_TO_CHANGE_NUMBERS,
-    5: (_SQL_TOTALS_TABLE,),
-    6: (
-        "ALTER TABLE instances ADD COLUMN host TEXT",
-        "ALTER TABLE instances ADD COLUMN declares INTEGER",
-        _SQL_DECLARATIONS_TABLE,
-    ),
-    7: (
-        "ALTER TABLE jobs ADD COLUMN last_status TEXT",
-        "ALTER TABLE jobs ADD COLUMN last_at INTEGER",
-        _SQL_FILL_NEWEST,
-        *_SQLITE_NEWEST_TRIGGERS,
-    ),
+    4: _SQL_MIGRATIONS[4],
+    5: _SQL_MIGRATIONS[5],
+    6: ("ALTER TABLE instances ADD COLUMN host TEXT", *_dialect(_SQL_MIGRATIONS[6], _SQLITE_TYPES)),
+    7: (*_dialect(_SQL_MIGRATIONS[7], _SQLITE_TYPES), *_SQLITE_NEWEST_TRIGGERS),
 }
 
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
@@ -2192,149 +2670,9 @@ _SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id, host, started
 _SQL_INSTANCES_BEFORE_6 = "SELECT instance, pid, start, namespace, boot_id, NULL, started_at, NULL FROM instances"
 _SQL_JOIN = (
     "INSERT OR REPLACE INTO instances (instance, pid, start, namespace, boot_id, started_at, host, declares) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "VALUES (:instance, :pid, :start, :namespace, :boot_id, :started_at, :host, :declares)"
 )
 _SQL_LEAVE = "DELETE FROM instances WHERE instance = ?"
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as handle:
-            return handle.read().strip()
-    except OSError:
-        return None
-
-
-def _process_start(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of a process, from /proc; None if gone."""
-    fields = _process_stat(pid)
-    return None if fields is None else (fields[0], int(fields[19]))
-
-
-def _process_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
-    text = _read_text(f"/proc/{pid}/stat")
-    return None if text is None else text[text.rfind(")") + 2 :].split()
-
-
-def _group_record(pgid: int, me: _Owner, nonce: str) -> str:
-    """What identifies a process group that this process just started: its id, the leader's start
-    time (a reused pid is told apart), the boot, the pid namespace, and the nonce of the marker in
-    its command's environment (JSON, kept with the run)."""
-    started = _process_start(pgid)
-    start = started[1] if started else None
-    return json.dumps({"pgid": pgid, "start": start, "boot": me.boot_id, "ns": me.namespace, "run": nonce})
-
-
-def _group_members(pgid: int) -> list[str]:
-    """``pid name`` of the live processes of process group ``pgid`` (Linux: from /proc; elsewhere
-    only whether there are any)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    except PermissionError:
-        return ["processes of another user"]
-    if not os.path.isdir("/proc/self"):
-        return ["processes"]
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            fields = _process_stat(int(name))
-            if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-                comm = (_read_text(f"/proc/{name}/comm") or "?").strip()
-                found.append(f"{name} ({comm})")
-    return found
-
-
-# Trust (the README's "Trust model"): the files this process acts on must be its own. A database, its
-# -wal and -shm, the lease board or the liveness directory that another user owns, or that users
-# other than the owner may write, could make this process run, skip or record what they choose: it
-# is refused, as OpenSSH's StrictModes and cron refuse such files. With ``shared_group`` (an app
-# user and a deploy user in one group) a file whose group is one of this process's groups is
-# trusted whoever owns it, and that group may write it; a file every user may write never is. A
-# directory that holds them belongs to this user or to root (or, shared, to the group) and may be
-# written by others only if it is sticky (/tmp): there only a file's owner can remove or replace it.
-def _user(uid: int) -> str:
-    import pwd
-
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _group(gid: int) -> str:
-    import grp
-
-    try:
-        return f"gid {gid} ({grp.getgrgid(gid).gr_name})"
-    except KeyError:
-        return f"gid {gid}"
-
-
-def _distrust(status: os.stat_result, shared_group: bool, directory: bool = False) -> str | None:
-    """The rule that a file (or directory) of ``status`` breaks, as the end of a sentence; None if
-    this process may trust it (see above)."""
-    me, mode = os.geteuid(), status.st_mode
-    if directory != stat.S_ISDIR(mode) or not (directory or stat.S_ISREG(mode)):
-        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else "a special file"
-        return "is not a directory" if directory else f"is {kind}, not a regular file"
-    group = shared_group and status.st_gid in {os.getegid(), *os.getgroups()}
-    if status.st_uid != me and not group and not (directory and status.st_uid == 0):
-        return f"is owned by {_user(status.st_uid)}, not by this process's {_user(me)}"
-    if directory and mode & stat.S_ISVTX:
-        return None  # (only a file's owner may remove or rename it)
-    if mode & stat.S_IWOTH:
-        return "may be written by every user"
-    if mode & stat.S_IWGRP and not group:
-        return f"may be written by its group, {_group(status.st_gid)} (shared_group=True, --shared-group, trusts it)"
-    return None
-
-
-def _check_trusted(path: str, what: str, status: os.stat_result, shared_group: bool, directory: bool = False) -> None:
-    """Raise ``StoreError`` naming ``path`` (``what`` it is) and the rule, if it is not to be trusted."""
-    rule = _distrust(status, shared_group, directory)
-    if rule is not None:
-        raise _Refused(path, f"{what} {rule}: refused (see the README's Trust model)")
-
-
-def _what(suffix: str) -> str:
-    """How a message names the database file (``""``) or the file beside it with ``suffix``."""
-    return f"the database's {suffix} file" if suffix else "the database file"
-
-
-def _opened(paths: Iterable[str]) -> dict[str, list[os.stat_result]] | None:
-    """The files this process has open under each of ``paths`` (absolute, links resolved), as the
-    open files themselves say (``/proc/self/fd``: not what the paths name now); None without /proc."""
-    wanted: dict[str, list[os.stat_result]] = {path: [] for path in paths}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target in wanted:
-                wanted[target].append(os.stat(f"/proc/self/fd/{name}"))
-        except OSError:
-            continue  # (closed meanwhile)
-    return wanted
-
-
-def _create_file(path: str, shared_group: bool) -> bool:
-    """Create ``path`` empty, owner-only (with ``shared_group``, its group's too), never through a
-    link planted at its name; False if it existed."""
-    mode = 0o660 if shared_group else 0o600
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        return False
-    try:
-        os.fchmod(fd, mode)  # (past the umask)
-    finally:
-        os.close(fd)  # (a new file: this process holds no lock on it that closing would drop)
-    return True
 
 
 def _switch_to_wal(conn: sqlite3.Connection, path: str, timeout: float) -> None:
@@ -2355,37 +2693,49 @@ def _switch_to_wal(conn: sqlite3.Connection, path: str, timeout: float) -> None:
         _pause(0.01)
 
 
-def _this_owner(instance: str) -> _Owner:
-    pid = os.getpid()
-    started = _process_start(pid)
-    namespace = None
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pass
-    return _Owner(
-        instance, pid, started[1] if started else None, namespace, _read_text("/proc/sys/kernel/random/boot_id")
-    )
+def _real_path(path: str) -> str:
+    """The file that ``path`` names, symbolic links followed (SQLite keeps the -wal and -shm files
+    beside it). As the kernel's ``protected_symlinks`` rule has it, a link in a directory that every
+    user may write is followed only if this user or the directory's owner made it: whoever else
+    made it could point it at any file this process may write."""
+    if not os.path.islink(path):
+        return path
+    directory = os.path.dirname(os.path.abspath(path))
+    owner, place = os.lstat(path).st_uid, os.stat(directory)
+    if place.st_mode & stat.S_IWOTH and owner not in (os.geteuid(), place.st_uid):
+        raise StoreError(
+            path,
+            f"a symbolic link owned by {_user(owner)} in {directory}, which every user may write: refused "
+            "(give the path of the file itself)",
+        )
+    return os.path.realpath(path)
 
 
-def _owner_gone(owner: _Owner, me: _Owner) -> str | None:
-    """Why the process ``owner`` no longer exists, or None when it may be alive.
+def _lenient_text(data: bytes) -> str:
+    return data.decode("utf-8", "backslashreplace")
 
-    Judged by pid only on this host and boot, in this pid namespace: a missing process, a zombie,
-    or a pid now used by a process that started at another time.
-    """
-    if owner.boot_id and me.boot_id and owner.boot_id != me.boot_id:
-        return "the owner's host rebooted"
-    if owner.namespace is None or owner.namespace != me.namespace or me.start is None:
-        return None
-    state = _process_start(owner.pid)
-    if state is None:
-        return f"owner process {owner.pid} exited"
-    if state[0] in ("Z", "X"):
-        return f"owner process {owner.pid} exited (zombie)"
-    if owner.start is not None and state[1] != owner.start:
-        return f"owner process {owner.pid} exited (pid reused)"
-    return None
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    text = str(exc)
+    return "locked" in text or "busy" in text
+
+
+def _explain(exc: sqlite3.Error) -> str:
+    text = str(exc)
+    if "not a database" in text:
+        return "not an SQLite database (file is not a database)"
+    if "disk is full" in text or "database or disk is full" in text:
+        return "disk full: the database cannot grow (database or disk is full)"
+    if "readonly" in text or "read-only" in text:
+        return f"the database is read-only ({text})"
+    if _is_busy(exc):
+        return f"the database stayed locked by another process past the busy timeout ({text})"
+    return text
+
+
+###############################################################################
+# The lease board #############################################################
+###############################################################################
 
 
 # The lease board: what lives only while the processes live (leases renewed, progress), kept in a
@@ -2430,17 +2780,18 @@ _BOARD_SCHEMA = (
         PRIMARY KEY (job, slot, attempt)
     ) WITHOUT ROWID""",
 )
-_SQL_ENROL = "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (?, ?, ?, ?)"
+_SQL_ENROL = (
+    "INSERT OR REPLACE INTO members (instance, pid, start, namespace) VALUES (:instance, :pid, :start, :namespace)"
+)
 _SQL_MEMBERS = "SELECT instance, pid, start, namespace FROM members"
 _SQL_LEAVE_BOARD = "DELETE FROM members WHERE instance = ? AND pid = ?"
-_SQL_BOARD_LEASE = "SELECT until FROM leases WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
+_SQL_BOARD_KEY = "job = :job AND slot = :slot AND attempt = :attempt AND owner = :owner"  # one attempt's lease
+_SQL_BOARD_LEASE = f"SELECT until FROM leases WHERE {_SQL_BOARD_KEY}"
 _SQL_BOARD_RENEW = (  # {rows}: one (?, ?, ?, ?, ?) per lease: one statement, one call into SQLite
     "INSERT INTO leases (job, slot, attempt, owner, until) VALUES {rows} ON CONFLICT (job, slot, attempt) "
     "DO UPDATE SET until = max(leases.until, excluded.until) WHERE leases.owner = excluded.owner"
 )
-_SQL_BOARD_PROGRESS = (
-    "UPDATE leases SET progress_done = ?, progress_total = ? WHERE job = ? AND slot = ? AND attempt = ? AND owner = ?"
-)
+_SQL_BOARD_PROGRESS = f"UPDATE leases SET progress_done = :done, progress_total = :total WHERE {_SQL_BOARD_KEY}"
 _SQL_BOARD_LEASES = "SELECT job, slot, attempt, owner, until, progress_done, progress_total FROM leases"
 # (an ended attempt's lease is left to expire: a round of renewals deletes what expired a minute ago)
 _SQL_BOARD_PURGE = "DELETE FROM leases WHERE until < ?"
@@ -2563,7 +2914,7 @@ class _Board:
             _log.debug("lease board write failed: %s", exc)
             return None
 
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+    def _read(self, sql: str, args: Sequence[Any] | dict[str, Any] = ()) -> list[Any]:
         conn = self._connect(create=False)
         if conn is None:
             return []
@@ -2576,7 +2927,8 @@ class _Board:
     def enrol(self, me: _Member) -> bool:
         """Make this process a member (before its join commits)."""
         self._members = None  # (this connection's own write does not change its data_version)
-        return self._write(lambda conn: conn.execute(_SQL_ENROL, me)) is not None
+        member = dict(zip(("instance", "pid", "start", "namespace"), me))
+        return self._write(lambda conn: conn.execute(_SQL_ENROL, member)) is not None
 
     def members(self) -> set[_Member]:
         """The members, read again only when another connection has written the board since (a
@@ -2590,7 +2942,9 @@ class _Board:
 
     def until(self, run: _RunRow) -> float | None:
         """Until when (lease clock) the board says ``run``'s owner holds it, if it says."""
-        rows = self._read(_SQL_BOARD_LEASE, (run.job, run.slot, run.attempt, run.owner))
+        rows = self._read(
+            _SQL_BOARD_LEASE, {"job": run.job, "slot": run.slot, "attempt": run.attempt, "owner": run.owner}
+        )
         return float(rows[0][0]) if rows else None
 
     def leases(self) -> dict[tuple[str, int, int], _BoardLease]:
@@ -2612,8 +2966,11 @@ class _Board:
 
     def report(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> bool:
         """Keep an attempt's progress with its lease; False if the board has no lease of it."""
-        key = (claim.job, claim.slot, claim.attempt, owner)
-        return bool(self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, (*progress, *key)).rowcount))
+        done, total = progress
+        key = {"job": claim.job, "slot": claim.slot, "attempt": claim.attempt, "owner": owner}
+        return bool(
+            self._write(lambda conn: conn.execute(_SQL_BOARD_PROGRESS, {"done": done, "total": total, **key}).rowcount)
+        )
 
     def leave(self, me: _Member) -> None:
         """This process (``me``) is no longer a member."""
@@ -2654,13 +3011,15 @@ def _member_alive(member: _Member) -> bool:
     return state is not None and state[0] not in ("Z", "X") and member[2] in (None, state[1])
 
 
-class _SQLiteStore(_SQLStore):
-    """The store in one SQLite file in WAL mode, shared by the processes of one host.
+###############################################################################
+# The SQLite store ############################################################
+###############################################################################
 
-    Each method is one transaction on this object's own connection: read-then-write transactions
-    start with ``BEGIN IMMEDIATE`` so they wait (bounded by ``busy_timeout``) for the write lock
-    instead of failing on an upgrade. Leases are on the clock's ``monotonic()``; owners are judged
-    by pid, start time, pid namespace and boot id (``_owner_gone``).
+
+class _SQLiteFile(_SQLStore):
+    """The SQLite file under a store: opening it (trusted, in WAL mode, its schema made or
+    migrated), noticing it was replaced, and running transactions on this object's connection.
+    ``_SQLiteStore`` adds the processes and the lease board.
     """
 
     _SQL_FINISH_ATTEMPT = _SQL_FINISH_ATTEMPT
@@ -3038,6 +3397,17 @@ class _SQLiteStore(_SQLStore):
 
     # -- running processes ------------------------------------------------------------------------
 
+
+class _SQLiteStore(_SQLiteFile):
+    """The store in one SQLite file in WAL mode, shared by the processes of one host.
+
+    Each method is one transaction on this object's own connection: read-then-write transactions
+    start with ``BEGIN IMMEDIATE`` so they wait (bounded by ``busy_timeout``) for the write lock
+    instead of failing on an upgrade. Leases are on the clock's ``monotonic()``, renewed on the
+    lease board while it can be; owners are judged by pid, start time, pid namespace and boot id
+    (``_owner_gone``).
+    """
+
     def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
         me = dataclasses.replace(self._me, instance=instance)
         board = self._the_board()
@@ -3052,7 +3422,12 @@ class _SQLiteStore(_SQLStore):
                     conn.execute(_SQL_LEAVE, (other.instance,))
                 else:
                     alive += 1
-            row = (me.instance, me.pid, me.start, me.namespace, me.boot_id, now_ms, socket.gethostname(), len(declares))
+            row = {
+                **dataclasses.asdict(me),
+                "started_at": now_ms,
+                "host": socket.gethostname(),
+                "declares": len(declares),
+            }
             conn.execute(_SQL_JOIN, row)
             self._declare(conn, instance, declares)
             return alive == 0
@@ -3226,46 +3601,6 @@ class _SQLiteStore(_SQLStore):
         return until is not None and until >= now
 
 
-def _real_path(path: str) -> str:
-    """The file that ``path`` names, symbolic links followed (SQLite keeps the -wal and -shm files
-    beside it). As the kernel's ``protected_symlinks`` rule has it, a link in a directory that every
-    user may write is followed only if this user or the directory's owner made it: whoever else
-    made it could point it at any file this process may write."""
-    if not os.path.islink(path):
-        return path
-    directory = os.path.dirname(os.path.abspath(path))
-    owner, place = os.lstat(path).st_uid, os.stat(directory)
-    if place.st_mode & stat.S_IWOTH and owner not in (os.geteuid(), place.st_uid):
-        raise StoreError(
-            path,
-            f"a symbolic link owned by {_user(owner)} in {directory}, which every user may write: refused "
-            "(give the path of the file itself)",
-        )
-    return os.path.realpath(path)
-
-
-def _lenient_text(data: bytes) -> str:
-    return data.decode("utf-8", "backslashreplace")
-
-
-def _is_busy(exc: sqlite3.Error) -> bool:
-    text = str(exc)
-    return "locked" in text or "busy" in text
-
-
-def _explain(exc: sqlite3.Error) -> str:
-    text = str(exc)
-    if "not a database" in text:
-        return "not an SQLite database (file is not a database)"
-    if "disk is full" in text or "database or disk is full" in text:
-        return "disk full: the database cannot grow (database or disk is full)"
-    if "readonly" in text or "read-only" in text:
-        return f"the database is read-only ({text})"
-    if _is_busy(exc):
-        return f"the database stayed locked by another process past the busy timeout ({text})"
-    return text
-
-
 class _FileWatch:
     """Wakes the event loop when any process writes the database (Linux inotify, via ctypes).
 
@@ -3322,191 +3657,6 @@ class _FileWatch:
     def close(self) -> None:
         self._loop.remove_reader(self._fd)
         os.close(self._fd)
-
-
-def _live_name(owner: _Owner) -> str:
-    """The name of ``owner``'s liveness socket: one scheduler instance of one process (a reused pid,
-    or the same instance name in a later process, names another)."""
-    key = "\0".join(str(part) for part in (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id))
-    return "p-" + hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
-@dataclasses.dataclass
-class _Watched:
-    """A connection to another process's liveness socket."""
-
-    sock: socket.socket | None  #: None once the owner's socket closed (or before any connection)
-    ended: bool = False  #: the kernel closed the owner's socket while connected
-    asked: float = 0.0  #: when (``time.monotonic``) a run of this owner was last asked about
-
-
-class _Liveness:
-    """Owners' deaths as the kernel tells them, the moment they happen, on one host.
-
-    While it serves, each scheduler listens on a unix socket of its own in the directory beside the
-    database (``jobs.db-live/``); nothing is ever accepted. A process watching one of its runs
-    connects once; when the owner's process ends, however it ends (``kill -9`` included), the
-    kernel closes the listening socket, the watcher's connection turns readable, the loop is woken
-    (``on_change``) and the owner is gone. No ``/proc`` is needed, so it holds across pid namespaces
-    (containers sharing the volume). A frozen owner keeps its socket open: its lease decides. An
-    owner whose socket cannot be found (a directory it could not write) is judged as before:
-    ``/proc`` and the lease. One descriptor per watched owner, closed when it ends or is not
-    asked about for ``_FORGET`` seconds; no thread.
-    """
-
-    _FORGET = 60.0
-
-    def __init__(
-        self, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], shared_group: bool = False
-    ):
-        self._dir = _real_path(path) + "-live"
-        self._shared_group = shared_group
-        self._loop, self._on_change = loop, on_change
-        self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
-        self._listener: socket.socket | None = None
-        self._own: tuple[str, int] | None = None  # our socket's name and inode
-        self._watched: dict[str, _Watched] = {}
-        self._forgot = time.monotonic()
-
-    def _where(self, name: str) -> str:
-        path = os.path.join(self._dir, name)
-        if len(os.fsencode(path)) < 100 or self._dir_fd is None:
-            return path
-        return f"/proc/self/fd/{self._dir_fd}/{name}"
-
-    def _open_dir(self) -> bool:
-        """Open the directory (made owner-only, or its group's too when shared); ``StoreError`` if
-        this process may not trust it: whoever may write it could plant a socket that lies about
-        who is alive."""
-        if self._dir_fd is None:
-            mode = 0o770 if self._shared_group else 0o700
-            try:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(self._dir, mode)  # (never through a link: mkdir does not follow one)
-                    os.chmod(self._dir, mode)  # (past the umask)
-                fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                return False
-            try:
-                _check_trusted(self._dir, "the liveness directory", os.fstat(fd), self._shared_group, directory=True)
-            except StoreError:
-                os.close(fd)
-                raise
-            self._dir_fd = fd
-        return True
-
-    def listen(self, me: _Owner) -> None:
-        """Listen as ``me`` (before joining: a run of ours is never recorded before the socket is
-        there), and sweep away the sockets of processes that have ended."""
-        if not hasattr(socket, "AF_UNIX") or not self._open_dir():
-            return
-        name = _live_name(me)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            fresh = self._where(f"{name}.new")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(fresh)
-            listener.bind(fresh)
-            if self._shared_group:
-                os.chmod(fresh, 0o770)  # (its group's processes connect to it)
-            listener.listen(socket.SOMAXCONN)
-            os.replace(fresh, self._where(name))  # a name that exists is always listened on
-            self._own = (name, os.stat(self._where(name)).st_ino)
-        except OSError as exc:
-            listener.close()
-            _log.debug("no liveness socket in %s: %s", self._dir, exc)
-            return
-        self._listener = listener
-        self._sweep(name)
-
-    def _sweep(self, own: str) -> None:
-        try:
-            names = [n for n in os.listdir(self._dir) if n.startswith("p-") and "." not in n and n != own]
-        except OSError:
-            return
-        for name in names:
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-            try:
-                probe.connect(self._where(name))
-            except ConnectionRefusedError:  # nobody listens: its process ended
-                with contextlib.suppress(OSError):
-                    os.unlink(self._where(name))
-            except OSError:
-                pass
-            finally:
-                probe.close()
-
-    def gone(self, owner: _Owner) -> str | None:
-        """Why ``owner``'s process has ended, by its socket; None while it may be alive."""
-        try:
-            if not self._open_dir():
-                return None
-        except StoreError:
-            return None  # (said when listening)
-        now = time.monotonic()
-        if now - self._forgot > self._FORGET / 4:
-            self._forget(now)
-        name = _live_name(owner)
-        watched = self._watched.setdefault(name, _Watched(None))
-        watched.asked = now
-        if watched.sock is not None:
-            return None
-        # (again after an end: a later scheduler of the same instance name in the same process
-        # listens on the same name, and its runs are its own)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
-        try:
-            sock.connect(self._where(name))
-        except ConnectionRefusedError:
-            sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self._where(name))
-            return f"owner process {owner.pid} exited (nothing listens on its liveness socket)"
-        except FileNotFoundError:
-            sock.close()
-            return f"owner process {owner.pid} exited (its liveness socket closed)" if watched.ended else None
-        except OSError:
-            sock.close()
-            return None
-        watched.sock = sock
-        self._loop.add_reader(sock.fileno(), self._ended, name)
-        return None
-
-    def _ended(self, name: str) -> None:
-        watched = self._watched.get(name)
-        if watched is None or watched.sock is None:
-            return
-        self._drop(watched)
-        watched.ended = True
-        self._on_change()
-
-    def _drop(self, watched: _Watched) -> None:
-        if watched.sock is not None:
-            self._loop.remove_reader(watched.sock.fileno())
-            watched.sock.close()
-            watched.sock = None
-
-    def _forget(self, now: float) -> None:
-        self._forgot = now
-        for name, watched in list(self._watched.items()):
-            if now - watched.asked > self._FORGET:
-                self._drop(watched)
-                del self._watched[name]
-
-    def close(self) -> None:
-        """Stop listening (our socket's name is removed) and watching."""
-        for watched in self._watched.values():
-            self._drop(watched)
-        self._watched.clear()
-        if self._listener is not None and self._own is not None:
-            name, inode = self._own
-            with contextlib.suppress(OSError):
-                if os.stat(self._where(name)).st_ino == inode:  # (not a later listener's of the same name)
-                    os.unlink(self._where(name))
-            self._listener.close()
-            self._listener = self._own = None
-        if self._dir_fd is not None:
-            os.close(self._dir_fd)
-            self._dir_fd = None
 
 
 class _SQLiteChanges(_Changes):
@@ -3585,7 +3735,7 @@ class _SQLite(_Backend):
         self._board_dir = os.environ.get("ANARCHON_BOARD_DIR", _BOARD_DIR)
         self._granted: dict[tuple[str, int, int], float] = {}  # (see _SQLiteStore: its renewing stores share it)
 
-    def main(self) -> _Store:
+    def control_store(self) -> _Store:
         store = _SQLiteStore(
             self.path,
             busy_timeout=self._busy_timeout,
@@ -3598,7 +3748,7 @@ class _SQLite(_Backend):
         store.retention = self._retention
         return store
 
-    def heartbeat(self) -> _Store:  # looks for the write lock every 0.5 ms; never checkpoints in a commit
+    def renewal_store(self) -> _Store:  # looks for the write lock every 0.5 ms; never checkpoints in a commit
         return _SQLiteStore(
             self.path,
             busy_timeout=self._busy_timeout,
@@ -3611,7 +3761,7 @@ class _SQLite(_Backend):
             shared_group=self.shared_group,
         )
 
-    def fallback(self) -> _Store:  # never waits for the lock
+    def loop_renewal(self) -> _Store:  # never waits for the lock
         return _SQLiteStore(
             self.path,
             busy_timeout=0.0,
@@ -3623,10 +3773,8 @@ class _SQLite(_Backend):
             shared_group=self.shared_group,
         )
 
-    def changes(
-        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
-    ) -> _Changes:
-        return _SQLiteChanges(self.path, self._clock, loop, on_change, poll, instance, self.shared_group)
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
+        return _SQLiteChanges(self.path, self._clock, loop, on_change, self.polled, instance, self.shared_group)
 
 
 ###############################################################################
@@ -3641,7 +3789,6 @@ class _SQLite(_Backend):
 
 # The first key of every advisory lock of a schema (the second is the process's ``lock_key``).
 _PG_LOCK_SPACE = "(hashtext({schema_literal}) & 2147483647)"
-_PG_DECLARATIONS_TABLE = _SQL_DECLARATIONS_TABLE.replace(" WITHOUT ROWID", "")
 # The advisory locks of this schema's processes that are held now (``{schema_literal}``, as
 # ``_PGTarget.format`` fills it), and why an owner is gone given ``i`` (its ``instances`` row) and
 # ``{held}``, whether the lock it held is held now; or NULL while it may be alive. After a server
@@ -3667,60 +3814,10 @@ _PG_NEWEST_TRIGGER = (  # as _SQLITE_NEWEST_TRIGGERS (names qualified: whatever 
     END $$""",
     "CREATE TRIGGER history_newest AFTER INSERT OR UPDATE OF status ON history FOR EACH ROW EXECUTE FUNCTION keep_newest()",
 )
-_PG_SCHEMA = (
-    "CREATE TABLE meta (version INTEGER NOT NULL)",
-    """CREATE TABLE jobs (
-        name TEXT PRIMARY KEY,
-        schedule TEXT NOT NULL,
-        paused INTEGER NOT NULL DEFAULT 0,
-        last_slot BIGINT NOT NULL,
-        next_slot BIGINT,
-        definition TEXT,
-        declared_by TEXT,
-        changed BIGINT NOT NULL DEFAULT 0,
-        last_status TEXT,
-        last_at BIGINT
-    )""",
-    "CREATE INDEX jobs_by_change ON jobs (changed)",
-    """CREATE TABLE runs (
-        job TEXT NOT NULL,
-        slot BIGINT NOT NULL,
-        attempt INTEGER NOT NULL,
-        state TEXT NOT NULL CHECK (state IN ('pending', 'running')),
-        not_before BIGINT NOT NULL,
-        failures INTEGER NOT NULL DEFAULT 0,
-        owner TEXT,
-        owner_pid INTEGER,
-        owner_start BIGINT,
-        owner_ns TEXT,
-        boot_id TEXT,
-        lease_until DOUBLE PRECISION,
-        lease DOUBLE PRECISION,
-        cancel INTEGER NOT NULL DEFAULT 0,
-        progress_done DOUBLE PRECISION,
-        progress_total DOUBLE PRECISION,
-        started_at BIGINT,
-        process_group TEXT,
-        PRIMARY KEY (job, slot)
-    )""",
-    """CREATE TABLE history (
-        id BIGSERIAL PRIMARY KEY,
-        job TEXT NOT NULL,
-        slot BIGINT NOT NULL,
-        attempt INTEGER NOT NULL,
-        status TEXT NOT NULL,
-        instance TEXT,
-        started_at BIGINT,
-        finished_at BIGINT,
-        error TEXT,
-        output TEXT,
-        UNIQUE (job, slot, attempt)
-    )""",
-    "CREATE INDEX history_by_job ON history (job, id)",
-    "CREATE INDEX history_by_slot ON history (slot)",
-    # One row per running process: the advisory lock it holds, and the server's start time when it
-    # took it (a restart frees every lock: until its owner is back, a free lock proves nothing).
-    """CREATE TABLE instances (
+_PG_TYPES = {"ms": "BIGINT", "real": "DOUBLE PRECISION", "id": "BIGSERIAL PRIMARY KEY", "new": "", "rowid": ""}
+# One row per running process: the advisory lock it holds, and the server's start time when it
+# took it (a restart frees every lock: until its owner is back, a free lock proves nothing).
+_PG_INSTANCES_TABLE = """CREATE TABLE instances (
         instance TEXT PRIMARY KEY,
         lock_key INTEGER NOT NULL,
         server_start TIMESTAMPTZ NOT NULL,
@@ -3728,18 +3825,14 @@ _PG_SCHEMA = (
         pid INTEGER,
         started_at BIGINT NOT NULL,
         declares INTEGER
-    )""",
-    _PG_DECLARATIONS_TABLE,
+    )"""
+_PG_SCHEMA = (
+    "CREATE TABLE meta (version INTEGER NOT NULL)",
+    *_dialect(_SQL_JOB_TABLES, _PG_TYPES),
+    _PG_INSTANCES_TABLE,
+    *_dialect((_SQL_DECLARATIONS_TABLE,), _PG_TYPES),
     "CREATE SEQUENCE lock_keys AS INTEGER MINVALUE 1 CYCLE",
-    """CREATE TABLE checkpoints (
-        job TEXT NOT NULL,
-        slot BIGINT NOT NULL,
-        value TEXT NOT NULL,
-        updated_at BIGINT NOT NULL,
-        attempt INTEGER,
-        PRIMARY KEY (job, slot)
-    )""",
-    _SQL_TOTALS_TABLE,
+    *_dialect(_SQL_CHECKPOINT_TABLES, _PG_TYPES),
     *_PG_NEWEST_TRIGGER,
     (
         "CREATE FUNCTION lease_clock() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE AS "
@@ -3753,16 +3846,11 @@ _PG_SCHEMA = (
     FROM (SELECT 1) AS one LEFT JOIN {{schema}}.instances i ON i.instance = who
     $$""",
 )
-_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # as _MIGRATIONS
-    4: _MIGRATE_TO_CHANGE_NUMBERS,
-    5: (_SQL_TOTALS_TABLE,),
-    6: ("ALTER TABLE instances ADD COLUMN declares INTEGER", _PG_DECLARATIONS_TABLE),
-    7: (
-        "ALTER TABLE jobs ADD COLUMN last_status TEXT",
-        "ALTER TABLE jobs ADD COLUMN last_at BIGINT",
-        _SQL_FILL_NEWEST,
-        *_PG_NEWEST_TRIGGER,
-    ),
+_PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # (PostgreSQL's schema began at version 4, with ``host``)
+    4: _SQL_MIGRATIONS[4],
+    5: _SQL_MIGRATIONS[5],
+    6: _dialect(_SQL_MIGRATIONS[6], _PG_TYPES),
+    7: (*_dialect(_SQL_MIGRATIONS[7], _PG_TYPES), *_PG_NEWEST_TRIGGER),
 }
 # A write transaction's first statement: the schema's write turn (held to its end, as SQLite's write
 # lock), taken in READ COMMITTED, so each statement after it sees every write committed before it. The
@@ -3795,7 +3883,8 @@ _PG_RUNS = (
 )
 _PG_JOIN = (
     "INSERT INTO instances (instance, lock_key, server_start, host, pid, started_at, declares) "
-    "VALUES (?, ?, pg_postmaster_start_time(), ?, ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET "
+    "VALUES (:instance, :lock_key, pg_postmaster_start_time(), :host, :pid, :started_at, :declares) "
+    "ON CONFLICT (instance) DO UPDATE SET "
     "lock_key = excluded.lock_key, server_start = excluded.server_start, host = excluded.host, "
     "pid = excluded.pid, started_at = excluded.started_at, declares = excluded.declares"
 )
@@ -4186,7 +4275,15 @@ class _PGStore(_SQLStore):
         key = self._identity.key
 
         def work(conn: Any) -> bool:
-            conn.execute(_PG_JOIN, (instance, key, socket.gethostname(), os.getpid(), now_ms, len(declares)))
+            joined = {
+                "instance": instance,
+                "lock_key": key,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_at": now_ms,
+                "declares": len(declares),
+            }
+            conn.execute(_PG_JOIN, joined)
             conn.execute(_PG_FORGET_GONE, (instance,))
             self._declare(conn, instance, declares)
             return int(conn.execute(_PG_OTHERS, (instance,)).fetchone()[0]) == 0
@@ -4304,6 +4401,11 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
         "COMMIT;",
     ]
     return "\n".join(lines) + "\n"
+
+
+###############################################################################
+# PostgreSQL: locks and changes ###############################################
+###############################################################################
 
 
 # An owner's lock session can end where the owner cannot see it (a frozen network path, then the
@@ -4650,7 +4752,7 @@ class _Postgres(_Backend):
         self._identity = _PGIdentity()
         self._read_only, self._busy_timeout, self._retention = read_only, busy_timeout, retention
 
-    def main(self) -> _Store:
+    def control_store(self) -> _Store:
         store = _PGStore(
             self._target,
             self._identity,
@@ -4661,16 +4763,50 @@ class _Postgres(_Backend):
         store.retention = self._retention
         return store
 
-    def heartbeat(self) -> _Store:
+    def renewal_store(self) -> _Store:
         return _PGStore(self._target, self._identity, busy_timeout=self._busy_timeout)
 
-    def fallback(self) -> _AsyncRenewal:
+    def loop_renewal(self) -> _AsyncRenewal:
         return _PGLoopRenewal(self._target, asyncio.get_running_loop())
 
-    def changes(
-        self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], poll: bool, instance: str
-    ) -> _Changes:
+    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
         return _PGChanges(self._target, self._identity, loop, on_change)
+
+
+###############################################################################
+# Choosing the store ##########################################################
+###############################################################################
+
+
+def _store_at(
+    path: str,
+    *,
+    clock: Clock | None = None,
+    poll: float | None = None,
+    busy_timeout: float = 30.0,
+    retention: int = 1000,
+    read_only: bool = False,
+    durability: str = "normal",
+    shared_group: bool = False,
+) -> _Backend:
+    """The store at ``path``: the schema of a ``postgresql://`` URL (psycopg is imported only
+    then), else the SQLite file. The one place a backend is chosen; nothing is opened until its
+    first use. The settings are the store's, as ``Scheduler`` documents them (``clock``: the one
+    SQLite's leases are stamped on; ``durability`` and ``shared_group`` are SQLite's alone)."""
+    if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
+        raise ConfigError(
+            f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention"
+        )
+    if durability not in ("full", "normal"):
+        raise ConfigError(f"must be 'full' or 'normal', not {durability!r}", option="durability")
+    backend: _Backend = (
+        _Postgres(path, read_only, busy_timeout, retention)
+        if _is_postgres(path)
+        else _SQLite(path, clock or Clock(), busy_timeout, read_only, retention, durability, shared_group)
+    )
+    backend.look_every = 0.5 if poll is None else min(poll, 1.0)
+    backend.polled = poll is not None
+    return backend
 
 
 ###############################################################################
@@ -4821,8 +4957,8 @@ class _Heartbeats(threading.Thread):
         switch_interval: float | None,
     ):
         super().__init__(name=name, daemon=True)
-        self._store = backend.heartbeat()
-        self._loop_store = backend.fallback()  # never blocks the loop (None: the loop only checks expiry)
+        self._store = backend.renewal_store()
+        self._loop_store = backend.loop_renewal()  # never blocks the loop (None: the loop only checks expiry)
         self._loop = loop
         self._loop_timer: asyncio.TimerHandle | None = None
         self._loop_renewal: asyncio.Task[None] | None = None  # the loop's renewal in flight (asynchronous)
@@ -5244,8 +5380,123 @@ def _is_async(function: Handler) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+def _where_blocked(jobs: dict[str, _Job], thread_id: int) -> str:
+    """Where the event loop's thread ``thread_id`` is blocked: the job whose handler it is in (of
+    ``jobs``), and the innermost line outside asyncio."""
+    frame = sys._current_frames().get(thread_id)
+    handlers = {job.handler.__code__: job.name for job in jobs.values() if hasattr(job.handler, "__code__")}
+    innermost = None
+    job_name = None
+    while frame is not None:
+        if innermost is None and not frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)):
+            innermost = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if frame.f_code in handlers:
+            job_name = handlers[frame.f_code]
+            break
+        frame = frame.f_back
+    return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
+
+
+_DISPUTES_TOLD = 3  # jobs declared differently elsewhere that a look names one by one (then one line for the rest)
+
+
+class _Declarations:
+    """The jobs this process declares: what ``every``, ``cron`` and ``rrule`` add, what a reload
+    puts in their place, the rows the store records for them, and the warnings when another process
+    declares one of them otherwise. The store link records them before its next call whenever
+    ``version`` has moved since it last did."""
+
+    def __init__(self, instance: str, clock: Clock):
+        self.instance = instance  #: the process that declares them
+        self._clock = clock
+        self.jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
+        self.version = 0  #: one more after each change of ``jobs``: the store records them again
+        self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
+
+    def declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
+        """Declare job ``name`` (``handler``'s, or the decorated function's: a decorator without one)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"job name must be a non-empty string, not {name!r}")
+        if not name.isprintable():
+            raise ConfigError(f"job name {name!r} has a line break or another control character")
+        if name in self.jobs:
+            raise ConfigError("a job with this name is already declared", job=name)
+        options = _options(name, given)
+
+        def register(function: Handler) -> Handler:
+            if not callable(function):
+                raise ConfigError(f"handler must be callable, not {function!r}", job=name)
+            if name in self.jobs:
+                raise ConfigError("a job with this name is already declared", job=name)
+            self.jobs[name] = _Job(name, schedule, function, options, _is_async(function))
+            self.version += 1
+            return function
+
+        return register if handler is None else register(handler)
+
+    def job(self, name: str) -> _Job:
+        """The job ``name``; ``JobNotFound`` if this process does not declare it."""
+        job = self.jobs.get(name)
+        if job is None:
+            raise JobNotFound("no such job is declared", job=name)
+        return job
+
+    def replace(self, jobs: dict[str, _Job]) -> None:
+        """Declare ``jobs`` instead of the current ones (a crontab read again)."""
+        self.jobs = jobs
+        self.version += 1
+
+    def agree_on(self, name: str, text: str) -> None:
+        """Make ``text`` part of what every process must declare alike for job ``name``."""
+        job = self.job(name)
+        job.definition = f"{job.schedule.description}: {text}"
+        self.version += 1
+
+    def rows(self, now: int) -> list[_Declared]:
+        """The declarations as the store records them (a job new to the store starts at ``now``,
+        and its next occurrence after now). Called on the store's thread."""
+        return [
+            _Declared(
+                job.name, job.schedule.description, now, None, job.definition, self.instance, job.schedule.next_after
+            )
+            for job in self.jobs.values()
+        ]
+
+    def disagree(self, rows: Iterable[_JobRow], outcome: str) -> None:
+        """Warn, once per definition, that another process declares jobs of ours differently: a
+        line for each of the first few, one for the rest (a deploy that changed a set of 10,000
+        jobs logs four lines, not 10,000)."""
+        disputed = []
+        for row in rows:
+            job = self.jobs.get(row.name)
+            if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
+                continue
+            self._disputes.add((row.name, row.definition))
+            disputed.append((row, job))
+        for row, job in disputed[:_DISPUTES_TOLD]:
+            _log.warning(
+                "job %r is declared differently by two processes: %s declares %r, this one (%s) %r; the file %s",
+                row.name,
+                row.declared_by or "another process",
+                row.definition,
+                self.instance,
+                job.definition,
+                outcome,
+            )
+        rest = [row.name for row, _ in disputed[_DISPUTES_TOLD:]]
+        if rest:
+            _log.warning(
+                "%d more jobs are declared differently by another process than by this one (%s): %s%s; the file %s",
+                len(rest),
+                self.instance,
+                ", ".join(map(repr, rest[:_DISPUTES_TOLD])),
+                ", ..." if len(rest) > _DISPUTES_TOLD else "",
+                outcome,
+            )
+
+
 ###############################################################################
-# The store, from the event loop ##############################################
+# The store from the event loop ###############################################
 ###############################################################################
 
 
@@ -5273,18 +5524,16 @@ class _StoreLink:
     """How the scheduler, its checkpoints and its handlers' contexts reach the store: calls queued
     to one thread that owns the main connection, opened at the first call. While the scheduler runs
     (``held``) the thread stays between calls; otherwise each call closes it again, so a process
-    that calls ``status()`` now and then keeps no thread or connection in between. ``prepare`` runs
-    (on that thread, through the ``call`` it is given) before the first call on a connection and
-    again after ``prepared`` was cleared: the scheduler records its declarations there."""
+    that calls ``status()`` now and then keeps no thread or connection in between. The first call on
+    a connection, and the first after the declarations changed, records them in the store in the
+    same transaction's hop (registering and joining are one call)."""
 
-    def __init__(
-        self,
-        backend: _Backend,
-        prepare: Callable[[Callable[[Callable[[_Store], Any]], Awaitable[Any]]], Awaitable[None]],
-    ):
-        self.backend, self.prepare = backend, prepare
+    def __init__(self, backend: _Backend, declarations: _Declarations, clock: Clock):
+        self.backend = backend  #: where the state lives: opens every connection to it
+        self.declarations = declarations  #: what this process declares, recorded before other calls
+        self._clock = clock
         self.held = False  #: the scheduler runs: the thread and its connection stay between calls
-        self.prepared = False  #: ``prepare`` ran on this connection since the declarations changed
+        self._recorded: int | None = None  #: the declarations' version recorded on this connection
         self._thread: _StoreThread | None = None
         self._closing: _StoreThread | None = None  # the last one closed, ending
 
@@ -5296,22 +5545,36 @@ class _StoreLink:
         """Run ``work(store)`` on the store's thread; the transaction completes even if the
         awaiting task is cancelled."""
         if self._thread is None:
-            self._thread = _StoreThread(self.backend.main())
+            self._thread = _StoreThread(self.backend.control_store())
         thread = self._thread
         try:
-            if not self.prepared:
-                await self.prepare(thread.call)
-                self.prepared = True
-            return await thread.call(work)
+            declared = self.declarations
+            version = declared.version
+            if self._recorded == version or not declared.jobs:
+                self._recorded = version
+                return await thread.call(work)
+            now = _ms(self._clock.time())
+            rows: list[list[_JobRow]] = []
+
+            def record_first(store: _Store) -> T:
+                rows.append(store.register(declared.rows(now)))
+                return work(store)
+
+            try:
+                return await thread.call(record_first)
+            finally:
+                if rows:
+                    self._recorded = version
+                    declared.disagree(rows[0], "now holds this one's")
         finally:
             if not self.held:
                 self.close()
 
     async def disconnect(self) -> None:
-        """Close the connection and keep the thread: the next call connects again, and prepares."""
+        """Close the connection and keep the thread: the next call connects again, and records."""
         if self._thread is not None:
             await self._thread.call(lambda s: s.close())
-        self.prepared = False
+        self._recorded = None
 
     def close(self, wait: bool = False) -> None:
         """Close the connection and end the thread (after the calls queued before this one); with
@@ -5322,7 +5585,7 @@ class _StoreLink:
         if wait and self._closing is not None:
             self._closing.join()
             self._closing = None
-        self.prepared = False
+        self._recorded = None
 
 
 ###############################################################################
@@ -5561,7 +5824,7 @@ _LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, 
 _HURRIED = 2 * _LAST_WORDS + 5.0  # seconds hurried attempts have to end and write their ends
 
 
-def _contained(exc: BaseException) -> BaseException:
+def _safe_to_raise(exc: BaseException) -> BaseException:
     """What a handler's exception becomes on its way to the scheduler: one that cannot stop the
     event loop (asyncio lets ``SystemExit`` and ``KeyboardInterrupt`` out of a task) or be refused
     by a future (``StopIteration``)."""
@@ -5570,10 +5833,10 @@ def _contained(exc: BaseException) -> BaseException:
     return HandlerEscaped(exc)
 
 
-class _Driven:
+class _AbandonableCoroutine:
     """An ``async`` handler's coroutine, stepped for its task by this object instead of by ``await``.
 
-    Exceptions are passed through ``_contained``. ``abandon()`` handles a coroutine that swallows
+    Exceptions are passed through ``_safe_to_raise``. ``abandon()`` handles a coroutine that swallows
     ``CancelledError``: at the next step (the task's next cancel), the coroutine is closed
     (``GeneratorExit`` at the ``await`` where it waits, so its ``finally`` blocks run) and is never
     resumed again, whatever it does; the task ends cancelled.
@@ -5596,7 +5859,7 @@ class _Driven:
             except StopIteration as stop:
                 return stop.value
             except BaseException as exc:
-                contained = _contained(exc)
+                contained = _safe_to_raise(exc)
                 if contained is exc:
                     raise
                 raise contained from exc
@@ -5642,7 +5905,7 @@ def _start_thread(
         try:
             result = context.run(handler, ctx)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which judges it
-            _hand_back(loop, _set_exception, future, _contained(exc))
+            _hand_back(loop, _set_exception, future, _safe_to_raise(exc))
         else:
             _hand_back(loop, _set_result, future, result)
 
@@ -5795,13 +6058,13 @@ class _Events:
                 except Exception:  # noqa: BLE001 - a listener must never break a run
                     _log.exception("an on_event listener failed on %s of %s", kind, job)
 
-    def end(self, attempt: _Attempt, outcome: _Outcome, duration: float, then: _Then) -> None:
+    def end(self, attempt: _Attempt, outcome: _Outcome, duration: float, then: _AfterEnd) -> None:
         claim, status = attempt.claim, outcome.status or "lost"
         what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
-        kind: EventKind = "handed_over" if then is _Then.HANDOVER else cast(EventKind, status)
-        if then is _Then.RETRY:
+        kind: EventKind = "handed_over" if then is _AfterEnd.HANDOVER else cast(EventKind, status)
+        if then is _AfterEnd.RETRY:
             what += ", to be retried"
-        elif then is _Then.HANDOVER:
+        elif then is _AfterEnd.HANDOVER:
             what += ", handed over"
         if outcome.error and status != "succeeded":
             what += f": {outcome.error}"
@@ -5855,6 +6118,25 @@ class _Runner:
         for attempt in list(self.running.values()):
             if job is None or attempt.claim.job == job:
                 attempt.token.abort(reason(attempt.claim.job))
+
+    def lose(self, why: str) -> None:
+        """This process's claim on its runs may be gone (``why``: the database was replaced, the
+        session holding its lock ended): abort every running attempt with ``LeaseLost``."""
+        self.abort(lambda job: LeaseLost(f"{job}: {why}"))
+
+    def judge(self, run: _RunRow) -> bool:
+        """The one place that decides from the store's view that an attempt of this process was
+        superseded (a newer attempt holds the run: ``LeaseLost``) or cancelled, and aborts it.
+        True when ``run`` is one of this process's running attempts (the loop leaves it alone)."""
+        mine = self.running.get((run.job, run.slot))
+        if mine is None:
+            return False
+        # The snapshot may predate our own claim; only a newer attempt means a takeover.
+        if run.attempt > mine.claim.attempt:
+            mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
+        elif run.cancel and run.attempt == mine.claim.attempt:
+            mine.token.abort(Cancelled(f"{run.job}: cancelled"))
+        return True
 
     def start(self, job: _Job, claim: _Claim) -> None:
         """Run the attempt that ``claim`` won, in a task of its own."""
@@ -5949,7 +6231,7 @@ class _Runner:
         work: asyncio.Future[Any]
         driven = None
         if attempt.job.is_async:
-            driven = _Driven(_await(attempt.job.handler(ctx)))
+            driven = _AbandonableCoroutine(_await(attempt.job.handler(ctx)))
             work = context.run(loop.create_task, _await(driven))
         else:
             work = loop.create_future()
@@ -5995,16 +6277,16 @@ class _Runner:
         """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
-            self._events.end(attempt, outcome, duration, _Then.DONE)
+            self._events.end(attempt, outcome, duration, _AfterEnd.DONE)
             return
         claim, options = attempt.claim, attempt.job.options
-        then, not_before = _Then.DONE, 0
+        then, not_before = _AfterEnd.DONE, 0
         now_ms = _ms(self._clock.time())
         if outcome.status == "interrupted":
-            then, not_before = _Then.HANDOVER, now_ms
+            then, not_before = _AfterEnd.HANDOVER, now_ms
         elif outcome.retryable and claim.failures < options.retries:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
-            then, not_before = _Then.RETRY, now_ms + _ms(backoff)
+            then, not_before = _AfterEnd.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         self._events.end(attempt, outcome, duration, then)
         for tries in range(60):
@@ -6025,7 +6307,7 @@ class _Runner:
                     exc,
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
-        if then is not _Then.DONE:
+        if then is not _AfterEnd.DONE:
             self._poke()
 
     async def _finish(self, end: _End) -> bool:
@@ -6274,6 +6556,67 @@ def _replace_file(path: str, text: str) -> None:
         raise
 
 
+class _MetricsFile:
+    """The node_exporter textfile (``metrics_file``): rewritten whole at start, within a second of
+    each start and end of a run (one write a second at most), and at the stop."""
+
+    def __init__(self, link: _StoreLink, lateness: Callable[[], dict[str, float]], stopping: Callable[[], bool]):
+        self.path: str | None = None  #: the file, once kept
+        self._link = link
+        self._lateness = lateness  #: this process's renewal lateness, for the figures
+        self._stopping = stopping  #: whether the scheduler stops: no rewrite is begun then
+        self._task: asyncio.Task[None] | None = None  #: the rewrite in progress (or waiting)
+        self._again = False  #: something happened since it began: rewrite once more after it
+        self._failing: str | None = None  #: the error of the last write, while writes fail
+
+    def keep(self, path: str, events: _Events, runner: _Runner) -> None:
+        """Keep the file at ``path``: rewritten after each start (and each skipped or missed
+        occurrence recorded) that ``events`` tells, and each write of ends by ``runner``."""
+        if self.path is None:
+            events.listeners.append(lambda event: None if event.duration is not None else self.soon())
+            runner.ends_written = self.soon
+        self.path = path
+
+    def restart(self) -> None:
+        """A run begins: its first figures are written once it has joined (``first``)."""
+        self._task = None
+
+    def first(self) -> None:
+        """The first write of a run, once."""
+        if self.path is not None and self._task is None:
+            self.soon()
+
+    def soon(self) -> None:
+        """Rewrite the file: now, or (while one is written) a second after that one."""
+        if self._task is not None and not self._task.done():
+            self._again = True
+        elif self.path is not None and not self._stopping():
+            self._task = asyncio.get_running_loop().create_task(self._write(self.path))
+
+    async def last(self) -> None:
+        """The last figures, with nothing running here (at the stop)."""
+        if self.path is not None:
+            if self._task is not None:
+                self._task.cancel()
+            await self._write(self.path, again=False)
+
+    async def _write(self, path: str, again: bool = True) -> None:
+        while True:
+            self._again = False
+            try:
+                await self._link.call(lambda s: _replace_file(path, _prometheus(s.figures(), self._lateness())))
+                self._failing = None
+            except (StoreError, OSError) as exc:  # told once, until it works again
+                if str(exc) != self._failing:
+                    _log.warning("cannot write the metrics file %s: %s", path, exc)
+                    self._failing = str(exc)
+            if not again:
+                return
+            await asyncio.sleep(1.0)  # one write a second at most, however many runs end
+            if not self._again:
+                return
+
+
 ###############################################################################
 # Talking to systemd ##########################################################
 ###############################################################################
@@ -6363,8 +6706,12 @@ class _Notify:
 
 
 ###############################################################################
-# The scheduler ###############################################################
+# The scheduler loop ##########################################################
 ###############################################################################
+#
+# The engine under ``Scheduler``: while it serves, each look reads what changed in the store, fires
+# the occurrences that came due, claims pending runs and takes over those whose owner is gone, and
+# then sleeps until the next thing due or a change told by the store.
 
 _CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
@@ -6372,8 +6719,479 @@ _FULL_READ = 600.0  # seconds between reads of every job row (between them, only
 # After a look that fired occurrences, the next look waits this long (seconds), whatever wakes it: at
 # thousands of occurrences a minute, each look fires several together instead of one at a time.
 _LOOK_GAP = 0.02
-_DISPUTES_TOLD = 3  # jobs declared differently elsewhere that a look names one by one (then one line for the rest)
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
+
+
+class _Loop:
+    """What a running scheduler does: ``serve()`` joins the store's processes, looks at the store
+    again and again (``_tick``), sleeps between looks until something is due or a change is told,
+    and backs off while looks fail; at a stop it drains this process's attempts and leaves. Lives
+    on the event loop; its state is its own (``Scheduler`` reaches it through ``poke``, ``stop``,
+    ``rejoin`` and ``ready``)."""
+
+    def __init__(
+        self,
+        instance: str,
+        clock: Clock,
+        link: _StoreLink,
+        checkpoints: CheckpointStore,
+        events: _Events,
+        blocked_warning: float,
+        switch_interval: float | None,
+    ):
+        self.instance = instance  #: this process's id in the store
+        self._clock = clock  #: wall and monotonic time
+        self._link = link  #: the store, and every connection to it
+        self._declared = link.declarations  #: the jobs this process declares
+        self._events = events  #: what is told of runs (log lines and listeners)
+        #: this process's running attempts (it alone decides that one of them was superseded)
+        self.runner = _Runner(link, clock, instance, checkpoints, self.poke, events)
+        self._where = link.backend.where  #: the database, as messages name it
+        self._poll = link.backend.look_every  #: seconds between looks when nothing tells of changes
+        self._blocked_warning = blocked_warning  #: seconds of a blocked event loop before a warning
+        self._switch_interval = switch_interval  #: the GIL switch interval around renewals (None: left alone)
+        self.notify: _Notify | None = None  #: the service manager, when it is told (systemd)
+        self.metrics: _MetricsFile | None = None  #: the node_exporter textfile, when one is kept
+        self.stopping = False  #: a stop was asked: claim nothing more, drain, leave
+        self.ready: asyncio.Event | None = None  #: set after each look (``__aenter__`` waits for the first)
+        self.heartbeats: _Heartbeats | None = None  #: the thread that renews leases, from the last serve
+        self._watch: _Changes | None = None  #: the store's changes, while serving
+        self._wake: asyncio.Future[None] | None = None  #: resolved to end the current sleep
+        self._poked = False  #: woken since the look began: look again at once
+        self._written = False  #: the watch saw a write we may not see committed yet
+        self._backing_off = False  #: a look failed: sleep the back-off out whatever the store does
+        self._dirty = True  #: read the job rows and runs at the next look (after our own writes, to stop)
+        self._rejoin = False  #: join again at the next look (the declarations changed, or the store reopened)
+        self._clock_warned = False  #: the unset clock was told, until it is corrected
+        self._told: asyncio.TimerHandle | None = None  #: a wake-up for changes told within the read gap
+        self._idle = self._poll  #: seconds between looks with nothing due and nothing told
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """What the looks know, as a serve begins (and some of it after a reopen)."""
+        self._version = -1  #: the watch's version at the last read (-1: read at the next look)
+        self._agenda: _Agenda | None = None  #: the job rows as last read (None: read them whole)
+        self._whole_at = 0.0  #: when they were last read whole (monotonic)
+        self._busy_until = 0.0  #: no look before this (monotonic): see _LOOK_GAP
+        self._moved: dict[str, int] = {}  #: watermarks found moved by the last ``_fire``, by job
+        self._runs: list[_RunRow] | None = None  #: the unfinished runs as last read
+        self._newest = 0  #: the newest occurrence recorded in the store (ms)
+        self._wait = 0.0  #: seconds until the next look, as the last look found
+        self._delay = 0.0  #: seconds of back-off, while looks fail
+        self._recheck = 0.0  #: after a write seen by the watch: look again this soon
+        self._read_at = 0.0  #: when ``_runs`` was read (monotonic): their ``lease_left`` is as of then
+        self._watching = False  #: another process's run is watched with ``owner_gone`` as of that read
+        self._reread = 0.0  #: then read again this long after that read (seconds)
+        self._read_real = 0.0  #: the same read on the real monotonic clock (what coalescing reads costs)
+        self._failing: str | None = None  #: the error of the last look, while looks fail
+        self._logged = 0.0  #: when it was last logged (monotonic)
+
+    # -- waking ------------------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Look at the store again at once, and read it whole (after our own writes, or to stop)."""
+        self._dirty = True
+        self._wake_up()
+
+    def rejoin(self) -> None:
+        """Record what this process declares with it again (the declarations changed), and look."""
+        self._rejoin = True
+        self.poke()
+
+    def _wake_up(self) -> None:
+        self._poked = self._written = True
+        if self._wake is not None:
+            _resolve(self._wake)
+
+    def _store_written(self) -> None:
+        """Another process (or this one) wrote the store. While backing off after a failure, this
+        waits for the back-off: the failing writes themselves touch the file. Changes told within
+        the store's ``coalesce`` of the last read wake the loop once, when it has passed."""
+        if self._backing_off:
+            self._written = True
+            return
+        watch = self._watch
+        later = 0.0 if watch is None else self._read_real + watch.coalesce - time.monotonic()
+        if later <= 0:
+            self._wake_up()
+        elif self._told is None:
+            self._told = asyncio.get_running_loop().call_later(later, self._told_now)
+
+    def _told_now(self) -> None:
+        self._told = None
+        self._wake_up()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` on the loop's monotonic clock, or until ``poke()``."""
+        loop = asyncio.get_running_loop()
+        if seconds > 0 and not self._poked:
+            self._wake = loop.create_future()
+            handle = loop.call_later(seconds, _resolve, self._wake)
+            try:
+                await self._wake
+            finally:
+                handle.cancel()
+                self._wake = None
+
+    # -- serving -----------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Join, look until stopped, drain this process's attempts, leave."""
+        loop = asyncio.get_running_loop()
+        runner = self.runner
+        self._fresh()
+        # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
+        # connection that holds this process's lock), and no change after the join goes unseen.
+        self._watch = watch = self._link.backend.changes(loop, self._store_written, self.instance)
+        watch.vouch_for(lambda: bool(runner.running), runner.lose)
+        runner.started = watch.attempt_started
+        self._idle = _CLOCK_CHECK if watch.pushed else self._poll
+        timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
+        self.heartbeats = heartbeats = _Heartbeats(
+            self._link.backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
+        )
+        jobs = self._declared
+        watchdog = _Watchdog(loop, timers, self._clock, self._blocked_warning, lambda t: _where_blocked(jobs.jobs, t))
+        runner.begin(heartbeats, timers, watchdog)
+        timers.start()
+        heartbeats.start()
+        self._link.held = True
+        if self.metrics is not None:
+            self.metrics.restart()
+        if self.notify is not None:
+            self.notify.start_pings(loop)
+        joined = False  # (a process that never joined has nothing to leave)
+        try:
+            await self._join_first()
+            joined = True
+            self._poked = False
+            while not self.stopping:
+                await self._look_and_sleep()
+            self._stopping_told()
+            await runner.drain()
+            if self.metrics is not None:
+                await self.metrics.last()
+        finally:
+            if self.notify is not None:
+                self.notify.close()
+            watch.close()
+            self._watch = None
+            if self._told is not None:
+                self._told.cancel()
+                self._told = None
+            timers.stop()
+            heartbeats.stop()
+            if self._link.open and joined:
+                try:
+                    await self._link.call(lambda s: s.leave(self.instance))
+                except StoreError as exc:
+                    _log.warning("%s", exc)
+            self._link.held = False
+            self._link.close()
+
+    async def _look_and_sleep(self) -> None:
+        """One look (backing off if it fails), then the sleep until the next."""
+        self._poked = False  # a wake from now on means: look again after this tick
+        try:
+            await self._tick()
+        except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
+            self._back_off(exc)
+        else:
+            if self._failing is not None:
+                _log.warning("%s can be used again", self._where)
+                self._failing = None
+            self._delay = 0.0
+            self._backing_off = False
+        if self.ready is not None:
+            self.ready.set()
+        if self.notify is not None:
+            self.notify.status(self._doing())
+        if self.metrics is not None:  # the first, once joined
+            self.metrics.first()
+        await self._sleep(self._wait if not self._delay else self._delay)
+        busy = self._busy_until - self._clock.monotonic()
+        if busy > 0 and not self.stopping:  # what comes due meanwhile is fired together
+            await asyncio.sleep(busy)
+
+    def _doing(self) -> str:
+        """What this process is doing, in a line (systemd's ``STATUS=``)."""
+        text = f"{len(self._declared.jobs)} jobs, {len(self.runner.running)} running"
+        return text if self._failing is None else f"{text}; failing: {self._failing}"
+
+    def _stopping_told(self) -> None:
+        """Tell systemd that this process stops, and how long handing its runs over may take."""
+        if self.notify is None:
+            return
+        running = self.runner.running
+        fields = ["STOPPING=1"]
+        if running:
+            fields.append(f"EXTEND_TIMEOUT_USEC={int(self.runner.longest_drain() * 1e6)}")
+        self.notify.status(f"stopping: handing over {len(running)} running", *fields)
+
+    async def _join(self) -> bool:
+        """Record this process among the store's running instances, with what it declares (in the
+        same call, when the declarations changed); True if it is the only one."""
+        now_ms = _ms(self._clock.time())
+        declares = list(self._declared.jobs)
+        alone = await self._link.call(lambda s: s.join(self.instance, now_ms, declares))
+        self._rejoin = False
+        return alone
+
+    async def _join_first(self) -> None:
+        """Join the group; the first process of a group runs the jobs declared to run on start. A
+        server that cannot be reached yet is waited for (logged, with back-off); any other failure
+        to open the database is raised."""
+        now_ms = _ms(self._clock.time())
+        while not self.stopping:
+            try:
+                alone = await self._join()
+                break
+            except StoreError as exc:
+                if not exc.transient:
+                    raise
+                self._back_off(exc)
+                await self._sleep(self._delay)
+        else:
+            return
+        on_start = [job.name for job in self._declared.jobs.values() if isinstance(job.schedule, _OnStart)]
+        if alone and on_start:
+            await self._link.call(lambda s: [s.trigger(name, now_ms) for name in on_start])
+
+    def _back_off(self, exc: Exception) -> None:
+        self._delay = min(max(self._delay * 2, self._poll), 5.0)
+        self._backing_off = True
+        self._log_failure(exc)
+
+    def _log_failure(self, exc: Exception) -> None:
+        """Log a failed look: at once when it fails differently, else once a minute at most."""
+        now = self._clock.monotonic()
+        if str(exc) != self._failing or now - self._logged >= 60.0:
+            _log.error(
+                "%s (looking again in %s)", exc, format_duration(self._delay), exc_info=not isinstance(exc, StoreError)
+            )
+            self._failing, self._logged = str(exc), now
+
+    def lateness(self) -> dict[str, float]:
+        """This process's lease renewals' lateness over the last minute (99th percentile), if any."""
+        heartbeats = self.heartbeats
+        p99 = None if heartbeats is None else heartbeats.lateness.p99(self._clock.monotonic())
+        return {} if p99 is None else {self.instance: p99}
+
+    # -- one look at the store ---------------------------------------------------------------------
+
+    async def _tick(self) -> None:
+        watch = self._watch
+        assert watch is not None, "serving"
+        now = self._clock.time()
+        now_ms = _ms(now)
+        version = watch.version()  # microseconds on this thread; the store thread only on a change
+        change = watch.lost()
+        if change is not None:
+            await self._reopen(watch, change)
+        if self._rejoin:
+            await self._join()
+        written, self._written = self._written, False
+        self._recheck = watch.recheck(version != self._version, written, self._recheck)
+        stale = self._watching and self._clock.monotonic() >= self._read_at + self._reread - 0.01
+        deferred = 0.0  # a change told by another process, read this much later with the changes after it
+        if version != self._version and not self._dirty and self._runs is not None:
+            deferred = max(0.0, self._read_real + watch.coalesce - time.monotonic())
+        if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty):
+            self._dirty = False
+            await self._read()
+            self._version = version
+        elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
+            self._runs = await self._link.call(lambda s: s.runs())
+            self._read_at, self._read_real = self._clock.monotonic(), time.monotonic()
+        if self._clock_unset(now_ms):
+            self._wait = self._idle
+            return
+        jobs = self._declared.jobs
+        agenda = self._agenda
+        assert agenda is not None, "made by the first read"
+        if not agenda.current(jobs):
+            self._agenda = agenda = _Agenda(jobs, agenda.rows.values())
+        ready, wait = agenda.ready(now_ms, min(self._idle, self._recheck or self._idle))
+        if ready:
+            self._busy_until = self._clock.monotonic() + _LOOK_GAP
+            self._moved = await self._fire(ready, now_ms)
+            self._version = -1
+            wait = 0.0
+        self._watching, self._reread = False, self._poll
+        for run in self._runs or []:
+            again = await self._consider(run, now_ms, watch)
+            if again is not None:
+                wait = min(wait, again)
+                if again == 0.0:
+                    self._version = -1
+        self._wait = min(wait, deferred) if deferred else wait
+
+    def _clock_unset(self, now_ms: int) -> bool:
+        """Whether the clock reads earlier than the newest occurrence recorded (told once)."""
+        if now_ms >= self._newest - _CLOCK_SLACK_MS:
+            self._clock_warned = False
+            return False
+        if not self._clock_warned:
+            _log.warning(
+                "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
+                "until it is corrected",
+                _utc_from_ms(now_ms).isoformat(),
+                self._where,
+                _utc_from_ms(self._newest).isoformat(),
+            )
+            self._clock_warned = True
+        return True
+
+    async def _read(self) -> None:
+        """Read the runs, and the job rows changed since the last read (all of them at first, and
+        every ``_FULL_READ`` seconds: a process of an older version writes no change numbers)."""
+        agenda = self._agenda
+        whole = agenda is None or self._clock.monotonic() >= self._whole_at + _FULL_READ
+        since = -1 if agenda is None or whole else agenda.seen
+        jobs, runs, newest = await self._link.call(lambda s: (s.jobs(since), s.runs(), s.newest_slot()))
+        self._runs, self._read_at, self._read_real = runs, self._clock.monotonic(), time.monotonic()
+        self.runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
+        self._newest = newest or 0
+        self._declared.disagree(jobs, "holds that one's")
+        if agenda is None or whole:
+            self._agenda, self._whole_at = _Agenda(self._declared.jobs, jobs), self._read_at
+            return
+        agenda.update(jobs)
+        # A claim refused because the watermark moved, while the row read still has the old one: a
+        # writer of an older version moved it. Read those rows by name, or the look would try again.
+        behind = [
+            name for name, last in self._moved.items() if (seen := agenda.rows.get(name)) and seen.last_slot == last
+        ]
+        self._moved = {}
+        if behind:
+            again = await self._link.call(lambda s: [s.job(name) for name in behind])
+            agenda.update(row for row in again if row is not None)
+
+    async def _reopen(self, watch: _Changes, change: str) -> None:
+        """The state this process used is gone from view, or its claim on its runs may be (``change``
+        says which): the database file was deleted or replaced, or the connection holding this
+        process's lock was lost. Abort the attempts, close every connection, and carry on with what
+        the path names now (a file created anew if none; the server once it is back)."""
+        _log.error("%s: aborting this process's running attempts and opening the database again", change)
+        self.runner.lose(change)
+        watch.reset()
+        await self._link.disconnect()
+        if self.heartbeats is not None:
+            # No connection of this process may stay on the old file when the path is opened again:
+            # its -wal and -shm files keep their names, and a new connection would read them.
+            self.heartbeats.reopen()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.heartbeats.wait_closed, 5.0)
+        self._rejoin = True
+        self._dirty = True
+        self._version = -1
+        self._newest = 0
+        self._agenda = None
+
+    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
+        """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
+        miss), ``_CLAIM_BATCH`` jobs a transaction; the attempts won start between them, and each
+        process begins at a place of its own in the list, so that processes finding thousands
+        due at once share them. Returns the watermarks that had moved, by job."""
+        if len(ready) > _CLAIM_BATCH:
+            turn = zlib.crc32(self.instance.encode()) % len(ready)
+            ready = ready[turn:] + ready[:turn]
+        moved = {}
+        for start in range(0, len(ready), _CLAIM_BATCH):
+            if start:
+                await asyncio.sleep(0)  # the attempts just won start
+                if self.stopping:
+                    break
+                now_ms = _ms(self._clock.time())
+            moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
+        return moved
+
+    async def _claim_batch(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
+        """One transaction of ``_fire``: claim, start what was won, return what had moved."""
+        due = [_due(job, row.last_slot, now_ms) for job, row in batch]
+        claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
+        moved = {}
+        for (job, row), item, claim in zip(batch, due, claims):
+            if claim is _NotClaimed.MOVED:
+                moved[job.name] = row.last_slot
+                continue
+            if item.missed:
+                count = item.missed_count
+                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
+                self._events.tell(
+                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
+                )
+            if isinstance(claim, _Claim):
+                self.runner.start(job, claim)
+            elif item.run:
+                what = "skipped: the job's previous run is unfinished (overlap skip)"
+                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, what, status="skipped")
+        return moved
+
+    async def _consider(self, run: _RunRow, now_ms: int, watch: _Changes) -> float | None:
+        """Claim a pending run, take over one whose owner is gone, or let the runner judge one of
+        ours. ``run`` was read at ``_read_at`` (its ``lease_left`` is as of then).
+
+        Returns how many seconds from now the run needs another look (0 after a claim), or None.
+        """
+        if self.runner.judge(run):
+            return None
+        job = self._declared.jobs.get(run.job)
+        if (
+            job is None
+            or self.stopping
+            or (run.state == "running" and (run.job, run.slot, run.attempt) in self.runner.ended)
+        ):
+            return None  # (an attempt of ours that ended: its end is written, or about to be)
+        reason, gone = "", None
+        if run.state == "pending":
+            if run.not_before > now_ms:
+                return (run.not_before - now_ms) / 1000
+        else:
+            gone = watch.owner_gone(run)
+            left = (run.lease_left or 0.0) - (self._clock.monotonic() - self._read_at)
+            if gone is None and left >= 0:
+                # Watch the owner, and its lease: a store that judges owners only when it reads the
+                # runs has them read again at the next look (sooner when a free lock settles).
+                again = min(self._poll, left + 0.001, watch.settles_in(run))
+                if not watch.fresh_liveness:
+                    self._watching = True
+                    self._reread = min(self._reread, self._clock.monotonic() - self._read_at + again)
+                return again
+            reason = gone or "lease expired"
+        options = job.options
+        claim = await self._link.call(
+            lambda s: s.claim(
+                run,
+                self.instance,
+                options.lease,
+                now_ms,
+                options.max_attempts,
+                options.overlap == "skip",
+                reason,
+                owner_gone=gone is not None,
+            )
+        )
+        if claim is not None:
+            if run.state == "running":
+                what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
+                self._events.tell(
+                    logging.WARNING,
+                    "taken_over",
+                    run.job,
+                    claim.slot,
+                    claim.attempt,
+                    what,
+                    status="taken_over",
+                    error=reason,
+                )
+            self.runner.start(job, claim)
+        return 0.0
+
+
+###############################################################################
+# The scheduler ###############################################################
+###############################################################################
 
 
 class Scheduler:
@@ -6406,6 +7224,12 @@ class Scheduler:
     sharing a group; new ones are made writable by the group. Without it, those of another user, or
     that users other than the owner may write, are refused with a ``StoreError``: the README's
     "Trust model"). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
+
+    The store settings (``clock``, ``poll``, ``busy_timeout``, ``retention``, ``read_only``,
+    ``durability``, ``shared_group``) go to the store that ``path`` names, which one factory
+    chooses (``_store_at``). ``store`` hands a store in instead: one built by ``_store_at``, or a
+    function given the store this scheduler would open and returning the one it uses (tests wrap
+    it to inject faults or count calls through the store interface).
     """
 
     def __init__(
@@ -6424,6 +7248,7 @@ class Scheduler:
         metrics_file: str | os.PathLike | None = None,  # type: ignore[type-arg]
         durability: Literal["full", "normal"] = "normal",
         shared_group: bool = False,
+        store: _Backend | Callable[[_Backend], _Backend] | None = None,
     ):
         self.path = os.fspath(path)
         if instance is not None and not (
@@ -6432,57 +7257,38 @@ class Scheduler:
             raise ConfigError(f"must be printable text of 1 to 200 characters, not {instance!r}", option="instance")
         self.instance = instance or f"{_safe_text(socket.gethostname())}-{os.getpid()}-{random.randrange(16**4):04x}"
         self._clock = clock or Clock()
-        self._poll = 0.5 if poll is None else min(poll, 1.0)
-        self._polling = poll is not None
-        self._busy_timeout = busy_timeout
-        if isinstance(retention, bool) or not isinstance(retention, int) or retention < 1:
-            raise ConfigError(
-                f"must be an integer >= 1 (history records kept per job), got {retention!r}", option="retention"
-            )
-        self._retention = retention
-        self._blocked_warning = blocked_warning
-        self._switch_interval = switch_interval
         self._read_only = read_only
-        if durability not in ("full", "normal"):
-            raise ConfigError(f"must be 'full' or 'normal', not {durability!r}", option="durability")
-        backend: _Backend = (
-            _Postgres(self.path, read_only, busy_timeout, retention)
-            if _is_postgres(self.path)
-            else _SQLite(self.path, self._clock, busy_timeout, read_only, retention, durability, shared_group)
-        )
-        self._where = backend.where  # the database, as messages name it
-        self._jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
-        self._link = _StoreLink(backend, self._register)  #: the store, and every connection to it (``_link.backend``)
+        if isinstance(store, _Backend):
+            backend = store
+        else:
+            backend = _store_at(
+                self.path,
+                clock=self._clock,
+                poll=poll,
+                busy_timeout=busy_timeout,
+                retention=retention,
+                read_only=read_only,
+                durability=durability,
+                shared_group=shared_group,
+            )
+            if store is not None:
+                backend = store(backend)
+        self._declared = _Declarations(self.instance, self._clock)  #: the jobs this process declares
+        self._link = _StoreLink(backend, self._declared, self._clock)  #: the store, and every connection to it
         self.checkpoints = CheckpointStore(self._link, self._clock)
-        self._events = _Events(self.instance)
-        self._runner = _Runner(self._link, self._clock, self.instance, self.checkpoints, self._poke, self._events)
-        self._attempts = self._runner.running  #: this process's running attempts, by (job, slot)
-        self._signal_tasks: set[asyncio.Task[None]] = set()
-        self._main: asyncio.Task[None] | None = None
+        self._events = _Events(self.instance)  #: what is told of runs: log lines, ``on_event`` listeners
+        #: the engine: serves while ``run()`` runs (its ``runner``: this process's running attempts)
+        self._loop = _Loop(
+            self.instance, self._clock, self._link, self.checkpoints, self._events, blocked_warning, switch_interval
+        )
+        self._signal_tasks: set[asyncio.Task[None]] = set()  #: the stops that signals began
+        self._main: asyncio.Task[None] | None = None  #: the task that serves, while it does
         self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
         self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
-        self._stopping = False
-        self._wake: asyncio.Future[None] | None = None
-        self._poked = False
-        self._written = False  # the file watch saw a write we may not see committed yet
-        self._backing_off = False  #: a look failed: sleep the back-off out whatever the file does
-        self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
-        self._heartbeats: _Heartbeats | None = None
-        self._clock_warned = False
-        self._dirty = True
-        self._rejoin = False
-        self._ready: asyncio.Event | None = None
-        self._loop_state: _LoopState | None = None  #: the serving loop's state, while it serves
-        self._told: asyncio.TimerHandle | None = None  #: a wake-up for changes told within the read gap
-        self._idle = self._poll
-        self._systemd = _Notify(os.environ) if notify else None  #: the service manager, when it is told
-        #: the node_exporter textfile, rewritten at start and after each start and end of a run
-        self._metrics_file: str | None = None
-        self._metrics_task: asyncio.Task[None] | None = None  #: the rewrite in progress (or waiting)
-        self._metrics_again = False  #: something happened since it began: rewrite once more after it
-        self._metrics_failing: str | None = None
+        if notify:
+            self.notify_systemd()
         if metrics_file is not None:
-            self._keep_metrics(os.fspath(metrics_file))
+            self.keep_metrics(metrics_file)
 
     # -- declaring jobs ---------------------------------------------------------------------------
 
@@ -6508,7 +7314,7 @@ class Scheduler:
         """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
         seconds = parse_duration(interval, job=name, option="interval")
         shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
-        return self._declare(name, _Every(seconds, shift), handler, options)
+        return self._declared.declare(name, _Every(seconds, shift), handler, options)
 
     @overload
     def cron(
@@ -6530,7 +7336,7 @@ class Scheduler:
         """Run ``handler`` on a 5-field cron schedule in zone ``tz`` (default: the local zone)."""
         if not isinstance(expr, str):
             raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
-        return self._declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
+        return self._declared.declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
 
     @overload
     def rrule(
@@ -6559,32 +7365,52 @@ class Scheduler:
     ) -> Any:
         """Run ``handler`` on an RFC 5545 recurrence rule (string or ``dateutil.rrule.rrule``)."""
         zone = None if tz is None else _zone(tz, name)
-        return self._declare(name, _RRule(rule, zone, name), handler, options)
+        return self._declared.declare(name, _RRule(rule, zone, name), handler, options)
 
-    def _declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"job name must be a non-empty string, not {name!r}")
-        if not name.isprintable():
-            raise ConfigError(f"job name {name!r} has a line break or another control character")
-        if name in self._jobs:
-            raise ConfigError("a job with this name is already declared", job=name)
-        options = _options(name, given)
+    @overload
+    def on_start(self, name: str, handler: None = None, **options: Any) -> Callable[[H], H]: ...
 
-        def register(function: Handler) -> Handler:
-            if not callable(function):
-                raise ConfigError(f"handler must be callable, not {function!r}", job=name)
-            if name in self._jobs:
-                raise ConfigError("a job with this name is already declared", job=name)
-            self._jobs[name] = _Job(name, schedule, function, options, _is_async(function))
-            self._link.prepared = False
-            return function
+    @overload
+    def on_start(self, name: str, handler: H, **options: Any) -> H: ...
 
-        return register if handler is None else register(handler)
+    def on_start(self, name: str, handler: Handler | None = None, **options: Any) -> Any:
+        """Run ``handler`` once when a group of processes starts on the store (no other one
+        running): a crontab's ``@reboot``. Never on a clock; ``trigger`` runs it any time."""
+        return self._declared.declare(name, _OnStart(), handler, options)
+
+    def agree_on(self, name: str, text: str) -> None:
+        """Make ``text`` (a crontab entry's command) part of what every process declaring job
+        ``name`` must declare alike, besides its schedule: a process that declares it otherwise is
+        warned of, as for a different schedule. ``JobNotFound`` if this process does not declare it."""
+        self._declared.agree_on(name, text)
+
+    def declared(self) -> list[str]:
+        """The names of the jobs this process declares, in the order they were declared."""
+        return list(self._declared.jobs)
+
+    def describe(self, name: str) -> str:
+        """Job ``name``'s schedule as the store keeps it and ``status`` shows it (``every 1h``,
+        ``cron 0 3 * * * Europe/Athens``, ``@reboot``); ``JobNotFound`` if not declared here."""
+        return self._declared.job(name).schedule.description
+
+    def zone(self, name: str) -> _dt.tzinfo:
+        """The zone job ``name``'s occurrences are reckoned in: its cron or rrule zone; the local
+        zone for an interval or ``@reboot``. ``JobNotFound`` if not declared here."""
+        schedule = self._declared.job(name).schedule
+        return schedule.zone if isinstance(schedule, _Calendar) else _local_zone()
+
+    def replace_jobs(self, source: Scheduler) -> None:
+        """Declare the jobs that ``source`` declares (a ``Scheduler`` made only to declare them,
+        never run) instead of this one's, from its next look: what a reload on SIGHUP does with a
+        crontab read again. Safe while this scheduler runs, on its event loop's thread; attempts
+        already running carry on."""
+        self._declared.replace(source._declared.jobs)
+        self._loop.rejoin()
 
     def upcoming(self, name: str, count: int = 5, after: _dt.datetime | None = None) -> list[_dt.datetime]:
         """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now; a
         naive datetime counts as UTC), as aware UTC datetimes. Pure schedule math: no database."""
-        job = self._job(name)
+        job = self._declared.job(name)
         if after is None:
             cursor = _ms(self._clock.time())
         else:  # a naive datetime is taken as UTC, like every datetime this module returns
@@ -6597,77 +7423,6 @@ class Scheduler:
             found.append(_utc_from_ms(following))
             cursor = following
         return found
-
-    def _job(self, name: str) -> _Job:
-        job = self._jobs.get(name)
-        if job is None:
-            raise JobNotFound("no such job is declared", job=name)
-        return job
-
-    # -- the store ---------------------------------------------------------------------------------
-
-    async def _register(self, call: Callable[[Callable[[_Store], Any]], Awaitable[Any]]) -> None:
-        """Record this process's declarations in the store (``call`` runs on the store's thread),
-        before the first call on each connection and after the jobs changed."""
-        if not self._jobs:
-            return
-        now = _ms(self._clock.time())
-
-        def declare(store: _Store) -> list[_JobRow]:
-            declared = [  # (a job new to the file starts at now, and its next occurrence after now)
-                _Declared(
-                    job.name,
-                    job.schedule.description,
-                    now,
-                    None,
-                    job.definition,
-                    self.instance,
-                    job.schedule.next_after,
-                )
-                for job in self._jobs.values()
-            ]
-            return store.register(declared)
-
-        self._disagree(await call(declare), "now holds this one's")
-
-    def _replace_jobs(self, jobs: dict[str, _Job]) -> None:
-        """Declare ``jobs`` instead of the current ones (a crontab read again), from the next look."""
-        self._jobs = jobs
-        self._link.prepared = False
-        self._rejoin = True  # (what this process declares is recorded with it)
-        self._poke()
-
-    def _disagree(self, rows: Iterable[_JobRow], outcome: str) -> None:
-        """Warn, once per definition, that another process declares jobs of ours differently: a
-        line for each of the first few, one for the rest (a deploy that changed a set of 10,000
-        jobs logs four lines, not 10,000)."""
-        disputed = []
-        for row in rows:
-            job = self._jobs.get(row.name)
-            if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
-                continue
-            self._disputes.add((row.name, row.definition))
-            disputed.append((row, job))
-        for row, job in disputed[:_DISPUTES_TOLD]:
-            _log.warning(
-                "job %r is declared differently by two processes: %s declares %r, this one (%s) %r; the file %s",
-                row.name,
-                row.declared_by or "another process",
-                row.definition,
-                self.instance,
-                job.definition,
-                outcome,
-            )
-        rest = [row.name for row, _ in disputed[_DISPUTES_TOLD:]]
-        if rest:
-            _log.warning(
-                "%d more jobs are declared differently by another process than by this one (%s): %s%s; the file %s",
-                len(rest),
-                self.instance,
-                ", ".join(map(repr, rest[:_DISPUTES_TOLD])),
-                ", ..." if len(rest) > _DISPUTES_TOLD else "",
-                outcome,
-            )
 
     # -- control from any process ----------------------------------------------------------------
 
@@ -6688,7 +7443,7 @@ class Scheduler:
             return store.trigger(name, now)
 
         slot = await self._link.call(trigger)
-        self._poke()
+        self._loop.poke()
         return slot
 
     async def forget(self, name: str) -> None:
@@ -6715,13 +7470,13 @@ class Scheduler:
         now = _ms(self._clock.time())
         if not await self._link.call(lambda s: s.set_paused(name, paused, now)):
             raise JobNotFound("no such job in the database", job=name)
-        self._poke()
+        self._loop.poke()
 
     async def cancel(self, name: str) -> int:
         """Abort every unfinished run of ``name`` with ``Cancelled``, on whichever process holds it."""
         now = _ms(self._clock.time())
         count = await self._link.call(lambda s: s.cancel(name, now))
-        self._runner.abort(lambda job: Cancelled(f"{job}: cancelled"), name)
+        self._loop.runner.abort(lambda job: Cancelled(f"{job}: cancelled"), name)
         return count
 
     async def history(self, job: str | None = None, limit: int = 100) -> list[RunRecord]:
@@ -6733,41 +7488,34 @@ class Scheduler:
         by status (counters: pruning the history keeps them), the newest start, success, failure
         and duration, the attempts running now; while this scheduler runs, also its lease
         renewals' lateness over the last minute (99th percentile)."""
-        return await self._link.call(lambda s: _prometheus(s.figures(), self._lateness()))
+        return await self._link.call(lambda s: _prometheus(s.figures(), self._loop.lateness()))
 
-    def _lateness(self) -> dict[str, float]:
-        heartbeats = self._heartbeats
-        p99 = None if heartbeats is None else heartbeats.lateness.p99(self._clock.monotonic())
-        return {} if p99 is None else {self.instance: p99}
+    def keep_metrics(self, path: str | os.PathLike) -> None:  # type: ignore[type-arg]
+        """Keep the node_exporter textfile at ``path`` while this scheduler runs, as
+        ``metrics_file=`` does: rewritten whole at start, within a second of each start and end of
+        an attempt, and at the stop, with what ``prometheus()`` returns. A failed write is logged
+        once (until one works again) and never stops the scheduler."""
+        loop = self._loop
+        if loop.metrics is None:
+            loop.metrics = _MetricsFile(self._link, loop.lateness, lambda: loop.stopping)
+        loop.metrics.keep(os.fspath(path), self._events, loop.runner)
 
-    def _keep_metrics(self, path: str) -> None:
-        if self._metrics_file is None:  # a start, a skipped or missed occurrence once recorded; an end once written
-            self._events.listeners.append(lambda event: None if event.duration is not None else self._metrics_soon())
-            self._runner.ends_written = self._metrics_soon
-        self._metrics_file = path
+    def notify_systemd(self) -> None:
+        """Talk to systemd while this scheduler runs, as ``notify=True`` does, when
+        ``$NOTIFY_SOCKET`` is set (a service of ``Type=notify``): ``READY=1`` once joined,
+        ``STATUS=`` after each look, ``STOPPING=1`` with the time the hand-over may take, and
+        ``WATCHDOG=1`` from the event loop when ``WatchdogSec=`` is set. For the process that
+        systemd runs as the service itself. Once is enough; again does nothing."""
+        if self._loop.notify is None:
+            self._loop.notify = _Notify(os.environ)
 
-    def _metrics_soon(self) -> None:
-        """Rewrite the metrics file: now, or (while one is written) a second after that one."""
-        if self._metrics_task is not None and not self._metrics_task.done():
-            self._metrics_again = True
-        elif self._metrics_file is not None and not self._stopping:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._write_metrics(self._metrics_file))
-
-    async def _write_metrics(self, path: str, again: bool = True) -> None:
-        while True:
-            self._metrics_again = False
-            try:
-                await self._link.call(lambda s: _replace_file(path, _prometheus(s.figures(), self._lateness())))
-                self._metrics_failing = None
-            except (StoreError, OSError) as exc:  # told once, until it works again
-                if str(exc) != self._metrics_failing:
-                    _log.warning("cannot write the metrics file %s: %s", path, exc)
-                    self._metrics_failing = str(exc)
-            if not again:
-                return
-            await asyncio.sleep(1.0)  # one write a second at most, however many runs end
-            if not self._metrics_again:
-                return
+    def share_group(self) -> None:
+        """Trust the SQLite file, its -wal and -shm, the lease board and the liveness directory
+        when they belong to one of this process's groups, as ``shared_group=True`` does (the
+        README's "Trust model"), from the next connection on. Nothing on PostgreSQL."""
+        backend = self._link.backend
+        if isinstance(backend, _SQLite):
+            backend.shared_group = True
 
     async def status(self) -> list[JobStatus]:
         """Every job in the file: schedule, next occurrence, state, newest record and unfinished runs."""
@@ -6779,7 +7527,7 @@ class Scheduler:
             runs_of.setdefault(run.job, []).append(run)
         result = []
         for row in jobs:
-            declared = self._jobs.get(row.name)
+            declared = self._declared.jobs.get(row.name)
             following = row.next_slot if declared is None else declared.next_due(row.last_slot)
             if declared is not None and following is not None and following <= now_ms:  # due: the one after now
                 following = declared.schedule.next_after(now_ms)
@@ -6795,7 +7543,7 @@ class Scheduler:
         """Run the scheduler until ``stop()`` (or SIGTERM/SIGINT, when on the main thread)."""
         if self._read_only:
             raise ConfigError("a read-only scheduler only looks at the file: it cannot run", option="read_only")
-        self._stopping = False  # a stop from now on, even while starting, is kept
+        self._loop.stopping = False  # a stop from now on, even while starting, is kept
         loop = asyncio.get_running_loop()
         installed = []
         if threading.current_thread() is threading.main_thread():
@@ -6806,16 +7554,16 @@ class Scheduler:
                 except (NotImplementedError, RuntimeError):
                     pass
         self._main = asyncio.current_task()
-        self._ready = asyncio.Event()
+        self._loop.ready = asyncio.Event()
         try:
-            await self._serve()
+            await self._loop.serve()
         finally:
             for signum in installed:
                 loop.remove_signal_handler(signum)
 
     def _on_signal(self, signum: int) -> None:
-        hurry = self._runner.hurry
-        if self._stopping and hurry is not None:
+        hurry = self._loop.runner.hurry
+        if self._loop.stopping and hurry is not None:
             if not hurry.is_set():
                 _log.warning("received %s again: cutting the grace short", signal.Signals(signum).name)
                 hurry.set()
@@ -6827,9 +7575,9 @@ class Scheduler:
 
     async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
         """Start the scheduler in the background; returns once it has looked at the file once."""
-        self._stopping = False
-        self._ready = ready = asyncio.Event()
-        self._main = asyncio.get_running_loop().create_task(self._serve())
+        self._loop.stopping = False
+        self._loop.ready = ready = asyncio.Event()
+        self._main = asyncio.get_running_loop().create_task(self._loop.serve())
         waiter = asyncio.ensure_future(ready.wait())
         await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -6843,10 +7591,10 @@ class Scheduler:
     async def stop(self, grace: DurationLike = 10.0) -> None:
         """Stop claiming work, abort running handlers with ``Shutdown``, wait up to ``grace`` for
         them, and hand their runs over to the next process (another live one takes them at once)."""
-        self._runner.grace = parse_duration(grace, option="grace")
-        self._stopping = True
-        self._runner.abort(lambda _job: Shutdown(f"{self.instance} is stopping"))
-        self._poke()
+        self._loop.runner.grace = parse_duration(grace, option="grace")
+        self._loop.stopping = True
+        self._loop.runner.abort(lambda _job: Shutdown(f"{self.instance} is stopping"))
+        self._loop.poke()
         main = self._main
         if main is not None and main is not asyncio.current_task():
             await asyncio.wait({main})
@@ -6907,408 +7655,8 @@ class Scheduler:
             self.stop_thread()
         elif self._main is not None and not self._main.done():
             raise ConfigError("this scheduler is running: stop() it before close()")
-        self._runner.join_threads(10.0)
+        self._loop.runner.join_threads(10.0)
         self._link.close(wait=True)
-
-    def _poke(self) -> None:
-        """Look at the file again at once, and read it whole (after our own writes, or to stop)."""
-        self._dirty = True
-        self._wake_up()
-
-    def _wake_up(self) -> None:
-        self._poked = self._written = True
-        if self._wake is not None:
-            _resolve(self._wake)
-
-    def _file_written(self) -> None:
-        """Another process (or this one) wrote the file. While backing off after a failure, this
-        waits for the back-off: the failing writes themselves touch the file. Changes told within
-        the store's ``coalesce`` of the last read wake the loop once, when it has passed."""
-        if self._backing_off:
-            self._written = True
-            return
-        state = self._loop_state
-        later = 0.0 if state is None else state.read_real + state.watch.coalesce - time.monotonic()
-        if later <= 0:
-            self._wake_up()
-        elif self._told is None:
-            self._told = asyncio.get_running_loop().call_later(later, self._told_now)
-
-    def _told_now(self) -> None:
-        self._told = None
-        self._wake_up()
-
-    async def _join(self) -> bool:
-        """Record this process among the file's running instances; True if it is the only one."""
-        now_ms = _ms(self._clock.time())
-        declares = list(self._jobs)
-        alone = await self._link.call(lambda s: s.join(self.instance, now_ms, declares))
-        self._rejoin = False
-        return alone
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
-        # connection that holds this process's lock), and no change after the join goes unseen.
-        loop_state = _LoopState(self._link.backend.changes(loop, self._file_written, self._polling, self.instance))
-        loop_state.watch.vouch_for(
-            lambda: bool(self._attempts), lambda why: self._runner.abort(lambda job: LeaseLost(f"{job}: {why}"))
-        )
-        self._runner.started = loop_state.watch.attempt_started
-        self._loop_state = loop_state
-        self._idle = _CLOCK_CHECK if loop_state.watch.pushed else self._poll
-        timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
-        self._heartbeats = heartbeats = _Heartbeats(
-            self._link.backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
-        )
-        self._runner.begin(
-            heartbeats, timers, _Watchdog(loop, timers, self._clock, self._blocked_warning, self._describe_block)
-        )
-        timers.start()
-        heartbeats.start()
-        self._link.held = True
-        self._metrics_task = None  # (a run after a stop writes its first figures again)
-        if self._systemd is not None:
-            self._systemd.start_pings(loop)
-        joined = False  # (a process that never joined has nothing to leave)
-        try:
-            await self._join_first(loop_state)
-            joined = True
-            self._poked = False
-            while not self._stopping:
-                self._poked = False  # a wake from now on means: look again after this tick
-                try:
-                    await self._tick(loop_state)
-                except Exception as exc:  # noqa: BLE001 - a running scheduler logs, backs off and carries on
-                    self._back_off(loop_state, exc)
-                else:
-                    if loop_state.failing is not None:
-                        _log.warning("%s can be used again", self._where)
-                        loop_state.failing = None
-                    loop_state.delay = 0.0
-                    self._backing_off = False
-                if self._ready is not None:
-                    self._ready.set()
-                if self._systemd is not None:
-                    self._systemd.status(self._doing(loop_state))
-                if self._metrics_file is not None and self._metrics_task is None:  # the first, once joined
-                    self._metrics_soon()
-                await self._sleep(loop_state.wait if not loop_state.delay else loop_state.delay)
-                busy = loop_state.busy_until - self._clock.monotonic()
-                if busy > 0 and not self._stopping:  # what comes due meanwhile is fired together
-                    await asyncio.sleep(busy)
-            self._stopping_told()
-            await self._runner.drain()
-            if self._metrics_file is not None:  # the last figures, with nothing running here
-                if self._metrics_task is not None:
-                    self._metrics_task.cancel()
-                await self._write_metrics(self._metrics_file, again=False)
-        finally:
-            if self._systemd is not None:
-                self._systemd.close()
-            loop_state.watch.close()
-            self._loop_state = None
-            if self._told is not None:
-                self._told.cancel()
-                self._told = None
-            timers.stop()
-            heartbeats.stop()
-            if self._link.open and joined:
-                try:
-                    await self._link.call(lambda s: s.leave(self.instance))
-                except StoreError as exc:
-                    _log.warning("%s", exc)
-            self._link.held = False
-            self._link.close()
-
-    def _doing(self, state: _LoopState) -> str:
-        """What this process is doing, in a line (systemd's ``STATUS=``)."""
-        text = f"{len(self._jobs)} jobs, {len(self._attempts)} running"
-        return text if state.failing is None else f"{text}; failing: {state.failing}"
-
-    def _stopping_told(self) -> None:
-        """Tell systemd that this process stops, and how long handing its runs over may take."""
-        if self._systemd is None:
-            return
-        fields = ["STOPPING=1"]
-        if self._attempts:
-            fields.append(f"EXTEND_TIMEOUT_USEC={int(self._runner.longest_drain() * 1e6)}")
-        self._systemd.status(f"stopping: handing over {len(self._attempts)} running", *fields)
-
-    async def _join_first(self, state: _LoopState) -> None:
-        """Join the group; the first process of a group runs the jobs declared to run on start. A
-        server that cannot be reached yet is waited for (logged, with back-off); any other failure
-        to open the database is raised."""
-        now_ms = _ms(self._clock.time())
-        while not self._stopping:
-            try:
-                alone = await self._join()
-                break
-            except StoreError as exc:
-                if not exc.transient:
-                    raise
-                self._back_off(state, exc)
-                await self._sleep(state.delay)
-        else:
-            return
-        on_start = [job.name for job in self._jobs.values() if isinstance(job.schedule, _OnStart)]
-        if alone and on_start:
-            await self._link.call(lambda s: [s.trigger(name, now_ms) for name in on_start])
-
-    def _back_off(self, state: _LoopState, exc: Exception) -> None:
-        state.delay = min(max(state.delay * 2, self._poll), 5.0)
-        self._backing_off = True
-        self._log_failure(state, exc)
-
-    def _log_failure(self, state: _LoopState, exc: Exception) -> None:
-        """Log a failed look: at once when it fails differently, else once a minute at most."""
-        now = self._clock.monotonic()
-        if str(exc) != state.failing or now - state.logged >= 60.0:
-            _log.error(
-                "%s (looking again in %s)", exc, format_duration(state.delay), exc_info=not isinstance(exc, StoreError)
-            )
-            state.failing, state.logged = str(exc), now
-
-    async def _sleep(self, seconds: float) -> None:
-        """Wait ``seconds`` on the loop's monotonic clock, or until ``_poke()``."""
-        loop = asyncio.get_running_loop()
-        if seconds > 0 and not self._poked:
-            self._wake = loop.create_future()
-            handle = loop.call_later(seconds, _resolve, self._wake)
-            try:
-                await self._wake
-            finally:
-                handle.cancel()
-                self._wake = None
-
-    # -- one look at the file ---------------------------------------------------------------------
-
-    async def _tick(self, state: _LoopState) -> None:
-        now = self._clock.time()
-        now_ms = _ms(now)
-        version = state.watch.version()  # microseconds on this thread; the store thread only on a change
-        change = state.watch.lost()
-        if change is not None:
-            await self._reopen(state, change)
-        if self._rejoin:
-            await self._join()
-        # inotify reports a WAL write a moment before its commit is visible: after a write with no
-        # visible change, look again after 5, 25, 125 and 625 ms.
-        written, self._written = self._written, False
-        if version != state.version:
-            state.recheck = 0.0
-        elif written:
-            state.recheck = 0.005
-        elif state.recheck:
-            state.recheck = state.recheck * 5 if state.recheck < 0.5 else 0.0
-        stale = state.watching and self._clock.monotonic() >= state.read_at + state.reread - 0.01
-        deferred = 0.0  # a change told by another process, read this much later with the changes after it
-        if version != state.version and not self._dirty and state.runs is not None:
-            deferred = max(0.0, state.read_real + state.watch.coalesce - time.monotonic())
-        if deferred == 0.0 and (version != state.version or state.runs is None or self._dirty):
-            self._dirty = False
-            await self._read(state)
-            state.version = version
-        elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
-            state.runs = await self._link.call(lambda s: s.runs())
-            state.read_at, state.read_real = self._clock.monotonic(), time.monotonic()
-        if now_ms < state.newest - _CLOCK_SLACK_MS:
-            if not self._clock_warned:
-                _log.warning(
-                    "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
-                    "until it is corrected",
-                    _utc_from_ms(now_ms).isoformat(),
-                    self._where,
-                    _utc_from_ms(state.newest).isoformat(),
-                )
-                self._clock_warned = True
-            state.wait = self._idle
-            return
-        self._clock_warned = False
-        agenda = state.agenda
-        assert agenda is not None, "made by the first read"
-        if not agenda.current(self._jobs):
-            state.agenda = agenda = _Agenda(self._jobs, agenda.rows.values())
-        ready, wait = agenda.ready(now_ms, min(self._idle, state.recheck or self._idle))
-        if ready:
-            state.busy_until = self._clock.monotonic() + _LOOK_GAP
-            state.moved = await self._fire(ready, now_ms)
-            state.version = -1
-            wait = 0.0
-        state.watching, state.reread = False, self._poll
-        for run in state.runs or []:
-            again = await self._consider(run, now_ms, state)
-            if again is not None:
-                wait = min(wait, again)
-                if again == 0.0:
-                    state.version = -1
-        state.wait = min(wait, deferred) if deferred else wait
-
-    async def _read(self, state: _LoopState) -> None:
-        """Read the runs, and the job rows changed since the last read (all of them at first, and
-        every ``_FULL_READ`` seconds: a process of an older version writes no change numbers)."""
-        agenda = state.agenda
-        whole = agenda is None or self._clock.monotonic() >= state.whole_at + _FULL_READ
-        since = -1 if agenda is None or whole else agenda.seen
-        jobs, runs, newest = await self._link.call(lambda s: (s.jobs(since), s.runs(), s.newest_slot()))
-        state.runs, state.read_at, state.read_real = runs, self._clock.monotonic(), time.monotonic()
-        self._runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
-        state.newest = newest or 0
-        self._disagree(jobs, "holds that one's")
-        if agenda is None or whole:
-            state.agenda, state.whole_at = _Agenda(self._jobs, jobs), state.read_at
-            return
-        agenda.update(jobs)
-        # A claim refused because the watermark moved, while the row read still has the old one: a
-        # writer of an older version moved it. Read those rows by name, or the look would try again.
-        behind = [
-            name for name, last in state.moved.items() if (seen := agenda.rows.get(name)) and seen.last_slot == last
-        ]
-        state.moved = {}
-        if behind:
-            again = await self._link.call(lambda s: [s.job(name) for name in behind])
-            agenda.update(row for row in again if row is not None)
-
-    async def _reopen(self, state: _LoopState, change: str) -> None:
-        """The state this process used is gone from view, or its claim on its runs may be (``change``
-        says which): the database file was deleted or replaced, or the connection holding this
-        process's lock was lost. Abort the attempts, close every connection, and carry on with what
-        the path names now (a file created anew if none; the server once it is back)."""
-        _log.error("%s: aborting this process's running attempts and opening the database again", change)
-        self._runner.abort(lambda job: LeaseLost(f"{job}: {change}"))
-        state.watch.reset()
-        await self._link.disconnect()
-        if self._heartbeats is not None:
-            # No connection of this process may stay on the old file when the path is opened again:
-            # its -wal and -shm files keep their names, and a new connection would read them.
-            self._heartbeats.reopen()
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, self._heartbeats.wait_closed, 5.0)
-        self._rejoin = True
-        self._dirty = True
-        state.version = -1
-        state.newest = 0
-        state.agenda = None
-
-    async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
-        """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
-        miss), ``_CLAIM_BATCH`` jobs a transaction; the attempts won start between them, and each
-        process begins at a place of its own in the list, so that processes finding thousands
-        due at once share them. Returns the watermarks that had moved, by job."""
-        if len(ready) > _CLAIM_BATCH:
-            turn = zlib.crc32(self.instance.encode()) % len(ready)
-            ready = ready[turn:] + ready[:turn]
-        moved = {}
-        for start in range(0, len(ready), _CLAIM_BATCH):
-            if start:
-                await asyncio.sleep(0)  # the attempts just won start
-                if self._stopping:
-                    break
-                now_ms = _ms(self._clock.time())
-            moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
-        return moved
-
-    async def _claim_batch(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
-        """One transaction of ``_fire``: claim, start what was won, return what had moved."""
-        due = [_due(job, row.last_slot, now_ms) for job, row in batch]
-        claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
-        moved = {}
-        for (job, row), item, claim in zip(batch, due, claims):
-            if claim is _Claimless.MOVED:
-                moved[job.name] = row.last_slot
-                continue
-            if item.missed:
-                count = item.missed_count
-                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
-                self._events.tell(
-                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
-                )
-            if isinstance(claim, _Claim):
-                self._runner.start(job, claim)
-            elif item.run:
-                what = "skipped: the job's previous run is unfinished (overlap skip)"
-                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, what, status="skipped")
-        return moved
-
-    async def _consider(self, run: _RunRow, now_ms: int, state: _LoopState) -> float | None:
-        """Claim a pending run, take over one whose owner is gone, or notice changes to our own.
-        ``run`` was read at ``state.read_at`` (its ``lease_left`` is as of then).
-
-        Returns how many seconds from now the run needs another look (0 after a claim), or None.
-        """
-        mine = self._attempts.get((run.job, run.slot))
-        if mine is not None:
-            # The snapshot may predate our own claim; only a newer attempt means a takeover.
-            if run.attempt > mine.claim.attempt:
-                mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
-            elif run.cancel and run.attempt == mine.claim.attempt:
-                mine.token.abort(Cancelled(f"{run.job}: cancelled"))
-            return None
-        job = self._jobs.get(run.job)
-        if (
-            job is None
-            or self._stopping
-            or (run.state == "running" and (run.job, run.slot, run.attempt) in self._runner.ended)
-        ):
-            return None  # (an attempt of ours that ended: its end is written, or about to be)
-        reason, gone = "", None
-        if run.state == "pending":
-            if run.not_before > now_ms:
-                return (run.not_before - now_ms) / 1000
-        else:
-            gone = state.watch.owner_gone(run)
-            left = (run.lease_left or 0.0) - (self._clock.monotonic() - state.read_at)
-            if gone is None and left >= 0:
-                # Watch the owner, and its lease: a store that judges owners only when it reads the
-                # runs has them read again at the next look (sooner when a free lock settles).
-                again = min(self._poll, left + 0.001, state.watch.settles_in(run))
-                if not state.watch.fresh_liveness:
-                    state.watching = True
-                    state.reread = min(state.reread, self._clock.monotonic() - state.read_at + again)
-                return again
-            reason = gone or "lease expired"
-        options = job.options
-        claim = await self._link.call(
-            lambda s: s.claim(
-                run,
-                self.instance,
-                options.lease,
-                now_ms,
-                options.max_attempts,
-                options.overlap == "skip",
-                reason,
-                owner_gone=gone is not None,
-            )
-        )
-        if claim is not None:
-            if run.state == "running":
-                what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
-                self._events.tell(
-                    logging.WARNING,
-                    "taken_over",
-                    run.job,
-                    claim.slot,
-                    claim.attempt,
-                    what,
-                    status="taken_over",
-                    error=reason,
-                )
-            self._runner.start(job, claim)
-        return 0.0
-
-    def _describe_block(self, thread_id: int) -> str:
-        frame = sys._current_frames().get(thread_id)
-        handlers = {job.handler.__code__: job.name for job in self._jobs.values() if hasattr(job.handler, "__code__")}
-        innermost = None
-        job_name = None
-        while frame is not None:
-            if innermost is None and not frame.f_code.co_filename.startswith(os.path.dirname(asyncio.__file__)):
-                innermost = f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            if frame.f_code in handlers:
-                job_name = handlers[frame.f_code]
-                break
-            frame = frame.f_back
-        return f"job {job_name or '(unknown)'} at {innermost or '(unknown)'}"
 
 
 class Control:
@@ -7359,27 +7707,6 @@ class Control:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-@dataclasses.dataclass
-class _LoopState:
-    watch: _Changes  # what the loop asks between transactions, on its own thread
-    version: int = -1
-    agenda: _Agenda | None = None  # the job rows as last read (None: read them whole)
-    whole_at: float = 0.0  # when they were last read whole (monotonic)
-    busy_until: float = 0.0  # no look before this (monotonic): see _LOOK_GAP
-    moved: dict[str, int] = dataclasses.field(default_factory=dict)  # from the last ``_fire``
-    runs: list[_RunRow] | None = None
-    newest: int = 0
-    wait: float = 0.0
-    delay: float = 0.0
-    recheck: float = 0.0  # after a write seen by the file watch: look again this soon
-    read_at: float = 0.0  # when ``runs`` was read (monotonic): their ``lease_left`` is as of then
-    watching: bool = False  # another process's run is watched with ``owner_gone`` as of that read
-    reread: float = 0.0  # then read again this long after that read (seconds)
-    read_real: float = 0.0  # the same read on the real monotonic clock (what coalescing reads costs)
-    failing: str | None = None  # the error of the last look, while looks fail
-    logged: float = 0.0  # when it was last logged (monotonic)
 
 
 ###############################################################################
@@ -8264,34 +8591,11 @@ async def serve_status_page(
 
 
 ###############################################################################
-# The command line ############################################################
+# Shell commands in process groups ############################################
 ###############################################################################
 
+
 _OUTPUT_TAIL = 4096
-_CRONTAB_OPTIONS = (
-    "name",
-    "timeout",
-    "overlap",
-    "retries",
-    "retry_delay",
-    "catch_up",
-    "lease",
-    "grace",
-    "max_attempts",
-    "on_failure",  # (the rest of its comment line: a command)
-)
-_OPTION_COMMENT = re.compile(r"#\s*(" + "|".join(_CRONTAB_OPTIONS) + r")\s*:", re.IGNORECASE)
-_OPTION_PAIR = re.compile(r"(\w+)\s*:\s*([^\s,]+)")
-_ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
-_ON_FAILURE = re.compile(r"#\s*on_failure\s*:\s*(\S.*)$", re.IGNORECASE)
-
-
-class CrontabError(ConfigError):
-    """A line of a crontab file is wrong; ``path`` and ``line`` say where."""
-
-    def __init__(self, path: str, line: int, message: str):
-        ValueError.__init__(self, f"{path}:{line}: {message}")
-        self.job, self.option, self.path, self.line = None, None, path, line
 
 
 class CommandFailed(_PlainFailure):
@@ -8313,191 +8617,38 @@ def _exit_text(code: int) -> str:
         return f"killed by signal {-code}"
 
 
-@dataclasses.dataclass
-class _CrontabEntry:
-    line: int
-    name: str
-    kind: str  # "cron", "every" or "reboot"
-    spec: str
-    command: str
-    env: dict[str, str]
-    options: dict[str, Any]
-    on_failure: str | None = None  # a command run after an attempt failed or timed out
-
-
-def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
-    """Read a crontab: entries, ``NAME=value`` lines, and ``# key: value`` option comments."""
-    env: dict[str, str] = {}
-    pending: dict[str, Any] = {}
-    entries: list[_CrontabEntry] = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            if _OPTION_COMMENT.match(line):
-                pending.update(_option_comment(line, path, number))
-            continue
-        assignment = _ENV_LINE.match(line)
-        if assignment and not line.startswith("@") and " " not in assignment.group(1):
-            value = assignment.group(2).strip()
-            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-                value = value[1:-1]
-            if "\0" in value:  # (no environment can carry it: every command would fail to start)
-                raise CrontabError(path, number, f"the value of {assignment.group(1)} has a NUL character in it")
-            env[assignment.group(1)] = value
-            if assignment.group(1) == "MAILTO" and value:
-                _log.warning(
-                    "%s:%d: MAILTO is ignored: anarchon-lite sends no mail; put '# on_failure: COMMAND' above an "
-                    "entry to run a command (such as mail) after it fails",
-                    path,
-                    number,
-                )
-            continue
-        entries.append(_crontab_entry(line, number, path, dict(env), pending))
-        pending = {}
-    names = [e.name for e in entries]
-    for entry in entries:
-        if names.count(entry.name) > 1:
-            raise CrontabError(path, entry.line, f"job name {entry.name!r} is used twice")
-    return entries
-
-
-def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
-    hook = _ON_FAILURE.match(line)
-    if hook:
-        return {"on_failure": hook.group(1).strip()}
-    options: dict[str, Any] = {}
-    left = _OPTION_PAIR.sub(" ", line.lstrip("#")).replace(",", " ").split()
-    if left:
-        raise CrontabError(
-            path,
-            number,
-            f"cannot read {left[0]!r} in this option comment: options are key: value pairs separated by spaces or "
-            "commas, and a value has no spaces (a job name such as 'nightly-backup', not 'nightly backup')",
-        )
-    for key, value in _OPTION_PAIR.findall(line):
-        key = key.lower()
-        if key not in _CRONTAB_OPTIONS:
-            raise CrontabError(path, number, f"unknown option {key!r} (known: {', '.join(_CRONTAB_OPTIONS)})")
-        options[key] = int(value) if key in ("retries", "max_attempts") and _DIGITS.match(value) else value
-    return options
-
-
-def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], options: dict[str, Any]) -> _CrontabEntry:
-    parts = line.split(None, 1)
-    if parts[0].lower() == "@every":
-        fields = line.split(None, 2)
-        if len(fields) < 3:
-            raise CrontabError(path, number, "@every needs a duration and a command")
-        kind, spec, command = "every", fields[1], fields[2]
-    elif parts[0].lower() == "@reboot":
-        if len(parts) < 2:
-            raise CrontabError(path, number, "@reboot needs a command")
-        kind, spec, command = "reboot", "@reboot", parts[1]
-    elif parts[0].startswith("@"):
-        if len(parts) < 2:
-            raise CrontabError(path, number, f"{parts[0]} needs a command")
-        kind, spec, command = "cron", parts[0], parts[1]
-    else:
-        fields = line.split(None, 5)
-        if len(fields) < 6:
-            raise CrontabError(path, number, "expected 5 schedule fields and a command")
-        kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
-    problem = _command_problem(command, env) or _user_column(command, env)
-    if problem:
-        raise CrontabError(path, number, problem)
-    digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
-    name = str(options.pop("name", None) or f"{kind}-{digest}")
-    on_failure = options.pop("on_failure", None)
-    return _CrontabEntry(number, name, kind, spec, command, env, options, on_failure)
-
-
-_ARG_LIMIT = 131072  # bytes in one argument of execve on Linux (MAX_ARG_STRLEN), the terminating NUL included
-
-
-def _command_problem(command: str, env: dict[str, str]) -> str | None:
-    """What makes a crontab command impossible to run, found before anything starts, or None."""
-    if "\0" in command:
-        return "the command has a NUL character in it"
-    size = len(command.encode(errors="surrogateescape"))
-    if size >= _ARG_LIMIT:
-        return f"the command is {size} bytes, more than the {_ARG_LIMIT - 1} the system takes in one argument: put it in a script"
-    shell = env.get("SHELL", "/bin/sh")
-    if _find_program(shell, env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
-        return f"SHELL={shell}: no such executable file"
-    return None
-
-
-def _user_column(command: str, env: dict[str, str]) -> str | None:
-    """Why a command whose first word names a user of this system, and no program, is refused: it
-    is a system crontab's user column (``0 3 * * * root backup``), which would run a program called
-    ``root``."""
-    first = command.split(None, 1)[0]
-    if _find_program(first, env.get("PATH", os.environ.get("PATH", os.defpath))) is not None:
-        return None
-    try:
-        import pwd
-
-        pwd.getpwnam(first)
-    except (ImportError, KeyError):
-        return None
-    return (
-        f"{first!r} is a user of this system, not a program: the user column of a system crontab (/etc/crontab, "
-        "/etc/cron.d) is not supported; run one anarchon-lite crontab process per user instead (systemd: User= "
-        "in each one's unit)"
-    )
-
-
-def _find_program(name: str, path: str) -> str | None:
-    """Where ``name`` is found as an executable file (``execvp``'s search), or None."""
-    candidates = [name] if "/" in name else [os.path.join(d or ".", name) for d in path.split(os.pathsep)]
-    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
-
-
-def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
-    for entry in entries:
-        handler = _command_handler(entry.command, entry.env, entry.on_failure)
-        try:
-            if entry.kind == "every":
-                scheduler.every(entry.name, entry.spec, handler, **entry.options)
-            elif entry.kind == "reboot":
-                scheduler._declare(entry.name, _OnStart(), handler, entry.options)
-            else:
-                tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
-                scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
-        except ConfigError as exc:
-            raise CrontabError(path, entry.line, str(exc)) from None
-        job = scheduler._jobs[entry.name]
-        job.definition = f"{job.schedule.description}: {entry.command}"
-
-
-def _command_handler(
-    command: str, env: dict[str, str], on_failure: str | None = None
+def command_handler(
+    command: str, env: dict[str, str] | None = None, on_failure: str | None = None
 ) -> Callable[[RunContext], Awaitable[str]]:
-    """A handler that runs ``$SHELL -c command`` in a process group of its own, one copy at a time.
+    """A handler that runs ``$SHELL -c command`` in a process group of its own, one copy at a time:
+    what ``crontab`` declares for each entry, for a front end of one's own.
 
-    Before it starts, the process group of an earlier attempt of the same run (a takeover after a
-    crash) is ended if it still lives on this host. The command waits at a gate until its group is
-    recorded with the run, and a reaper outside the group ends the group if this process dies. The
-    run ends when the shell exits; what it leaves in its group is ended and the output says so.
+    ``env`` is added to this process's environment (``SHELL`` in it names the shell; default
+    ``/bin/sh``). Before it starts, the process group of an earlier attempt of the same run (a
+    takeover after a crash) is ended if it still lives on this host. The command waits at a gate
+    until its group is recorded with the run, and a reaper outside the group ends the group if this
+    process dies. The run ends when the shell exits; what it leaves in its group is ended and the
+    output says so. An abort (timeout, cancel, shutdown) sends SIGTERM to the group, then SIGKILL
+    after 5 s. A non-zero exit raises ``CommandFailed``; the handler returns the end of the
+    output (kept with the record). ``on_failure``: a command run after an attempt that failed.
     """
+    extra = {} if env is None else dict(env)
 
     me = _this_owner("")  # this process: its boot and pid namespace say where a recorded group can be seen
     hooks: set[asyncio.Task[None]] = set()  # on_failure commands still running
 
     def after_failure(ctx: RunContext, status: str, code: int | None, output: str) -> None:
         if on_failure is not None:
-            task = asyncio.ensure_future(_run_on_failure(on_failure, env, ctx, status, code, output))
+            task = asyncio.ensure_future(_run_on_failure(on_failure, extra, ctx, status, code, output))
             hooks.add(task)
             task.add_done_callback(hooks.discard)
 
     async def run_command(ctx: RunContext) -> str:
-        shell = env.get("SHELL", "/bin/sh")
+        shell = extra.get("SHELL", "/bin/sh")
         nonce = os.urandom(16).hex()  # this attempt's, kept in its process-group record
         variables = {
             **os.environ,
-            **env,
+            **extra,
             "ANARCHON_JOB": ctx.job,
             "ANARCHON_SLOT": str(ctx.slot),
             "ANARCHON_ATTEMPT": str(ctx.attempt),
@@ -8840,6 +8991,200 @@ def _kill_group(pid: int, signum: int) -> None:
         pass
 
 
+###############################################################################
+# Crontab files ###############################################################
+###############################################################################
+
+
+_CRONTAB_OPTIONS = (
+    "name",
+    "timeout",
+    "overlap",
+    "retries",
+    "retry_delay",
+    "catch_up",
+    "lease",
+    "grace",
+    "max_attempts",
+    "on_failure",  # (the rest of its comment line: a command)
+)
+_OPTION_COMMENT = re.compile(r"#\s*(" + "|".join(_CRONTAB_OPTIONS) + r")\s*:", re.IGNORECASE)
+_OPTION_PAIR = re.compile(r"(\w+)\s*:\s*([^\s,]+)")
+_ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
+_ON_FAILURE = re.compile(r"#\s*on_failure\s*:\s*(\S.*)$", re.IGNORECASE)
+
+
+class CrontabError(ConfigError):
+    """A line of a crontab file is wrong; ``path`` and ``line`` say where."""
+
+    def __init__(self, path: str, line: int, message: str):
+        ValueError.__init__(self, f"{path}:{line}: {message}")
+        self.job, self.option, self.path, self.line = None, None, path, line
+
+
+@dataclasses.dataclass
+class _CrontabEntry:
+    line: int
+    name: str
+    kind: str  # "cron", "every" or "reboot"
+    spec: str
+    command: str
+    env: dict[str, str]
+    options: dict[str, Any]
+    on_failure: str | None = None  # a command run after an attempt failed or timed out
+
+
+def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
+    """Read a crontab: entries, ``NAME=value`` lines, and ``# key: value`` option comments."""
+    env: dict[str, str] = {}
+    pending: dict[str, Any] = {}
+    entries: list[_CrontabEntry] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            if _OPTION_COMMENT.match(line):
+                pending.update(_option_comment(line, path, number))
+            continue
+        assignment = _ENV_LINE.match(line)
+        if assignment and not line.startswith("@") and " " not in assignment.group(1):
+            value = assignment.group(2).strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            if "\0" in value:  # (no environment can carry it: every command would fail to start)
+                raise CrontabError(path, number, f"the value of {assignment.group(1)} has a NUL character in it")
+            env[assignment.group(1)] = value
+            if assignment.group(1) == "MAILTO" and value:
+                _log.warning(
+                    "%s:%d: MAILTO is ignored: anarchon-lite sends no mail; put '# on_failure: COMMAND' above an "
+                    "entry to run a command (such as mail) after it fails",
+                    path,
+                    number,
+                )
+            continue
+        entries.append(_crontab_entry(line, number, path, dict(env), pending))
+        pending = {}
+    names = [e.name for e in entries]
+    for entry in entries:
+        if names.count(entry.name) > 1:
+            raise CrontabError(path, entry.line, f"job name {entry.name!r} is used twice")
+    return entries
+
+
+def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
+    hook = _ON_FAILURE.match(line)
+    if hook:
+        return {"on_failure": hook.group(1).strip()}
+    options: dict[str, Any] = {}
+    left = _OPTION_PAIR.sub(" ", line.lstrip("#")).replace(",", " ").split()
+    if left:
+        raise CrontabError(
+            path,
+            number,
+            f"cannot read {left[0]!r} in this option comment: options are key: value pairs separated by spaces or "
+            "commas, and a value has no spaces (a job name such as 'nightly-backup', not 'nightly backup')",
+        )
+    for key, value in _OPTION_PAIR.findall(line):
+        key = key.lower()
+        if key not in _CRONTAB_OPTIONS:
+            raise CrontabError(path, number, f"unknown option {key!r} (known: {', '.join(_CRONTAB_OPTIONS)})")
+        options[key] = int(value) if key in ("retries", "max_attempts") and _DIGITS.match(value) else value
+    return options
+
+
+def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], options: dict[str, Any]) -> _CrontabEntry:
+    parts = line.split(None, 1)
+    if parts[0].lower() == "@every":
+        fields = line.split(None, 2)
+        if len(fields) < 3:
+            raise CrontabError(path, number, "@every needs a duration and a command")
+        kind, spec, command = "every", fields[1], fields[2]
+    elif parts[0].lower() == "@reboot":
+        if len(parts) < 2:
+            raise CrontabError(path, number, "@reboot needs a command")
+        kind, spec, command = "reboot", "@reboot", parts[1]
+    elif parts[0].startswith("@"):
+        if len(parts) < 2:
+            raise CrontabError(path, number, f"{parts[0]} needs a command")
+        kind, spec, command = "cron", parts[0], parts[1]
+    else:
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            raise CrontabError(path, number, "expected 5 schedule fields and a command")
+        kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
+    problem = _command_problem(command, env) or _user_column(command, env)
+    if problem:
+        raise CrontabError(path, number, problem)
+    digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
+    name = str(options.pop("name", None) or f"{kind}-{digest}")
+    on_failure = options.pop("on_failure", None)
+    return _CrontabEntry(number, name, kind, spec, command, env, options, on_failure)
+
+
+_ARG_LIMIT = 131072  # bytes in one argument of execve on Linux (MAX_ARG_STRLEN), the terminating NUL included
+
+
+def _command_problem(command: str, env: dict[str, str]) -> str | None:
+    """What makes a crontab command impossible to run, found before anything starts, or None."""
+    if "\0" in command:
+        return "the command has a NUL character in it"
+    size = len(command.encode(errors="surrogateescape"))
+    if size >= _ARG_LIMIT:
+        return f"the command is {size} bytes, more than the {_ARG_LIMIT - 1} the system takes in one argument: put it in a script"
+    shell = env.get("SHELL", "/bin/sh")
+    if _find_program(shell, env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
+        return f"SHELL={shell}: no such executable file"
+    return None
+
+
+def _user_column(command: str, env: dict[str, str]) -> str | None:
+    """Why a command whose first word names a user of this system, and no program, is refused: it
+    is a system crontab's user column (``0 3 * * * root backup``), which would run a program called
+    ``root``."""
+    first = command.split(None, 1)[0]
+    if _find_program(first, env.get("PATH", os.environ.get("PATH", os.defpath))) is not None:
+        return None
+    try:
+        import pwd
+
+        pwd.getpwnam(first)
+    except (ImportError, KeyError):
+        return None
+    return (
+        f"{first!r} is a user of this system, not a program: the user column of a system crontab (/etc/crontab, "
+        "/etc/cron.d) is not supported; run one anarchon-lite crontab process per user instead (systemd: User= "
+        "in each one's unit)"
+    )
+
+
+def _find_program(name: str, path: str) -> str | None:
+    """Where ``name`` is found as an executable file (``execvp``'s search), or None."""
+    candidates = [name] if "/" in name else [os.path.join(d or ".", name) for d in path.split(os.pathsep)]
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
+    for entry in entries:
+        handler = command_handler(entry.command, entry.env, entry.on_failure)
+        try:
+            if entry.kind == "every":
+                scheduler.every(entry.name, entry.spec, handler, **entry.options)
+            elif entry.kind == "reboot":
+                scheduler.on_start(entry.name, handler, **entry.options)
+            else:
+                tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
+                scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
+        except ConfigError as exc:
+            raise CrontabError(path, entry.line, str(exc)) from None
+        scheduler.agree_on(entry.name, entry.command)
+
+
+###############################################################################
+# The command line ############################################################
+###############################################################################
+
+
 def _progress_bar(progress: tuple[float, float | None] | None) -> str:
     if progress is None:
         return ""
@@ -9111,14 +9456,14 @@ def _check_crontab(path: str) -> None:
     scheduler = Scheduler(os.devnull)  # (declared only: never opened)
     _declare_crontab(scheduler, entries, path)
     for entry in entries:
-        job = scheduler._jobs[entry.name]
-        if isinstance(job.schedule, _OnStart):
+        description = scheduler.describe(entry.name)
+        if entry.kind == "reboot":
             upcoming = "when the group of processes starts"
         else:
-            zone = job.schedule.zone if isinstance(job.schedule, _Calendar) else _local_zone()
+            zone = scheduler.zone(entry.name)
             times = scheduler.upcoming(entry.name, count=3)
             upcoming = ", ".join(t.astimezone(zone).isoformat(timespec="seconds") for t in times)
-        print(f"{path}:{entry.line}: {entry.name}: {job.schedule.description}: next {upcoming or 'never'}")
+        print(f"{path}:{entry.line}: {entry.name}: {description}: next {upcoming or 'never'}")
     print(f"{path}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, no errors")
 
 
@@ -9130,20 +9475,20 @@ def _run_crontab(scheduler: Scheduler, path: str) -> None:
         except (ConfigError, OSError) as exc:
             _log.error("SIGHUP: keeping the current table: %s", exc)
             return
-        scheduler._replace_jobs(fresh._jobs)
-        _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh._jobs))
+        scheduler.replace_jobs(fresh)
+        _log.info("SIGHUP: re-read %s (%d jobs)", path, len(fresh.declared()))
 
-    _serve(scheduler, reload)
+    _run_until_stopped(scheduler, reload)
 
 
 def _run_target(scheduler: Scheduler, target: str) -> None:
     def reload() -> None:
         _log.info("SIGHUP: nothing to reload for run %s (restart the process to load new code)", target)
 
-    _serve(scheduler, reload)
+    _run_until_stopped(scheduler, reload)
 
 
-def _serve(scheduler: Scheduler, on_sighup: Callable[[], None]) -> None:
+def _run_until_stopped(scheduler: Scheduler, on_sighup: Callable[[], None]) -> None:
     """Run ``scheduler`` on a new event loop; SIGHUP calls ``on_sighup`` (it never kills the process)."""
 
     async def serve() -> None:
@@ -9433,12 +9778,11 @@ def _command(args: argparse.Namespace) -> int:
                 f"--db {given}: `run` uses the database its Scheduler names ({scheduler.path}); "
                 "drop --db, or name that database in the module (Scheduler(os.environ['ANARCHON_DB']) reads $ANARCHON_DB)"
             )
-        if args.shared_group and isinstance(scheduler._link.backend, _SQLite):
-            scheduler._link.backend.shared_group = True
-        if scheduler._systemd is None:  # the command line is the service: it talks to systemd
-            scheduler._systemd = _Notify(os.environ)
+        if args.shared_group:
+            scheduler.share_group()
+        scheduler.notify_systemd()  # the command line is the service: it talks to systemd
         if args.metrics_file:
-            scheduler._keep_metrics(args.metrics_file)
+            scheduler.keep_metrics(args.metrics_file)
         _run_target(scheduler, args.target)
         return 0
     if args.command == "crontab" and args.check:

@@ -50,11 +50,11 @@ async def main() -> None:
         if MODE == "long":
             await scheduler.trigger("long")
         await at(FROM)
-        heartbeats = scheduler._heartbeats
+        heartbeats = scheduler._loop.heartbeats
         before, renewed = written(), len(heartbeats.lateness.samples) if heartbeats else 0
         await at(UNTIL)
         after, renewals = written(), (len(heartbeats.lateness.samples) if heartbeats else 0) - renewed
-        running = len(scheduler._attempts)
+        running = len(scheduler._loop.runner.running)
     print(json.dumps({"bytes": after - before, "renewals": renewals, "running_at_end": running}), flush=True)
 
 

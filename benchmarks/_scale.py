@@ -66,14 +66,14 @@ async def idle(kind: str, seconds: float) -> dict[str, Any]:
     scheduler = Scheduler(DB)
     declare_idle(scheduler, kind)
     looks: list[float] = []
-    tick = scheduler._tick
+    tick = scheduler._loop._tick
 
-    async def measured(state: Any) -> None:
+    async def measured() -> None:
         start = time.thread_time()
-        await tick(state)
+        await tick()
         looks.append(time.thread_time() - start)
 
-    scheduler._tick = measured  # type: ignore[method-assign]
+    scheduler._loop._tick = measured  # type: ignore[method-assign]
     async with scheduler:
         started = time.monotonic() - began
         looks.clear()

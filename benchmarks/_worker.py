@@ -179,13 +179,13 @@ async def main() -> None:
         await wait_out(ctx, duration)
 
     runner = asyncio.ensure_future(scheduler.run())
-    while scheduler._ready is None or not scheduler._ready.is_set():
+    while scheduler._loop.ready is None or not scheduler._loop.ready.is_set():
         await asyncio.sleep(0.01)
     emit("ready", module=anarchon_lite.__file__)
     await runner
     if STARTS:
         emit("starts", starts=STARTS)
-    heartbeats = scheduler._heartbeats
+    heartbeats = scheduler._loop.heartbeats
     samples = heartbeats.lateness.samples if heartbeats else []
     emit("heartbeats", samples=samples, lost=heartbeats.lateness.lost if heartbeats else 0)
 

@@ -276,7 +276,7 @@ def worker(directory: str, location: str) -> None:
 
     async def serve():
         runner = asyncio.ensure_future(scheduler.run())
-        while scheduler._ready is None or not scheduler._ready.is_set():  # SIGTERM is handled from here on
+        while scheduler._loop.ready is None or not scheduler._loop.ready.is_set():  # SIGTERM is handled from here on
             if runner.done():
                 break
             await asyncio.sleep(0.01)

@@ -206,6 +206,13 @@ _schemas = iter(range(1, 1_000_000))
 
 
 @pytest.fixture
+def lease_clock(store, clock):
+    """For tests of leases running out: the injected clock on SQLite, whose leases are on it; on
+    PostgreSQL, whose leases are on the server's clock, the real one (see ``expire``)."""
+    return clock if store.endswith(".db") else anarchon_lite.Clock()
+
+
+@pytest.fixture
 def store(request, tmp_path) -> str:
     """Where a test's scheduler keeps its state: an SQLite file, or a fresh PostgreSQL schema."""
     if request.param == "sqlite":
@@ -216,17 +223,17 @@ def store(request, tmp_path) -> str:
 
 class Process:
     """One process on the store at ``where`` (a file or a URL), its stores built as its scheduler's
-    backend builds them (``Scheduler(where)._link.backend``): ``open()`` gives a store of its own
+    backend builds them (``anarchon_lite._store_at``, the factory ``Scheduler`` calls): ``open()`` gives a store of its own
     connection. On PostgreSQL the process holds its advisory lock, as a running scheduler does (its
     ``_Changes`` session), so that its stores can claim runs. ``close`` lets go of everything."""
 
     def __init__(self, where: str, clock: anarchon_lite.Clock | None = None, **options):
-        self.backend = anarchon_lite.Scheduler(where, clock=clock, **options)._link.backend
+        self.backend = anarchon_lite._store_at(where, clock=clock, **options)
         self._stores: list = []
         self._changes = None
         if isinstance(self.backend, anarchon_lite._Postgres):
             self._loop = asyncio.new_event_loop()  # (never run: told of changes it is not asked about)
-            self._changes = self.backend.changes(self._loop, lambda: None, False, "test")
+            self._changes = self.backend.changes(self._loop, lambda: None, "test")
             if not self.backend._identity.held.wait(30):
                 self.close()
                 raise AssertionError(f"no advisory lock on {where} within 30 s")
@@ -236,7 +243,7 @@ class Process:
         return self._changes is not None
 
     def open(self):
-        store = self.backend.main()
+        store = self.backend.control_store()
         self._stores.append(store)
         return store
 
@@ -266,26 +273,42 @@ class _Wrapped:
 
 class FaultyBackend(anarchon_lite._Backend):
     """A scheduler's backend whose stores run the methods named in ``around`` through the given
-    functions (to fail, delay or count them): faults injected through the interface, on any store."""
+    functions (to fail, delay or count them), and whose ``_Changes`` run those named in
+    ``changes_around``: faults injected through the interface, on any store."""
 
-    def __init__(self, inner, around):
+    def __init__(self, inner, around, changes_around=None):
         self.inner, self.around, self.where = inner, around, inner.where
+        self.changes_around = changes_around or {}
+        self.look_every, self.polled = inner.look_every, inner.polled
 
-    def main(self):
-        return _Wrapped(self.inner.main(), self.around)
+    def control_store(self):
+        return _Wrapped(self.inner.control_store(), self.around)
 
-    def heartbeat(self):
-        return _Wrapped(self.inner.heartbeat(), self.around)
+    def renewal_store(self):
+        return _Wrapped(self.inner.renewal_store(), self.around)
 
-    def fallback(self):
-        store = self.inner.fallback()
+    def loop_renewal(self):
+        store = self.inner.loop_renewal()
         return None if store is None else _Wrapped(store, self.around)
 
-    def changes(self, loop, on_change, poll, instance):
-        return self.inner.changes(loop, on_change, poll, instance)
+    def changes(self, loop, on_change, instance):
+        changes = self.inner.changes(loop, on_change, instance)
+        return _Wrapped(changes, self.changes_around) if self.changes_around else changes
 
 
-def inject(scheduler, **around):
-    """Run the named store methods of ``scheduler`` through ``around`` (before it runs)."""
-    scheduler._link.backend = FaultyBackend(scheduler._link.backend, around)
-    return scheduler
+def faulty(**around):
+    """A ``store=`` for ``Scheduler``: the store it would open, with the named methods of its stores
+    run through ``around`` (``inner(original, *args)``)."""
+    return lambda backend: FaultyBackend(backend, around)
+
+
+def counting_looks(**around):
+    """A ``store=`` for ``Scheduler`` (as ``faulty(**around)``) and a list that gets an item at each
+    of the scheduler's looks (each look asks its ``_Changes`` for the store's version once, first)."""
+    looks = []
+
+    def version(original):
+        looks.append(1)
+        return original()
+
+    return (lambda backend: FaultyBackend(backend, around, {"version": version})), looks

@@ -51,7 +51,7 @@ def worker(directory: str, jobs: int) -> None:
 
     async def serve():
         runner = asyncio.ensure_future(scheduler.run())
-        while scheduler._ready is None or not scheduler._ready.is_set():
+        while scheduler._loop.ready is None or not scheduler._loop.ready.is_set():
             if runner.done():
                 break
             await asyncio.sleep(0.01)
@@ -59,7 +59,7 @@ def worker(directory: str, jobs: int) -> None:
         with open(os.path.join(directory, f"ready-{os.getpid()}"), "w"):  # noqa: ASYNC230 - once
             pass
         await runner
-        heartbeats = scheduler._heartbeats
+        heartbeats = scheduler._loop.heartbeats
         report = {"samples": heartbeats.lateness.samples, "lost": heartbeats.lateness.lost} if heartbeats else {}
         with open(os.path.join(directory, f"heartbeats-{os.getpid()}.json"), "w") as handle:  # noqa: ASYNC230
             json.dump(report, handle)

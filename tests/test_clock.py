@@ -1,5 +1,5 @@
 """Clock faults and daylight-saving time through a running scheduler (the schedule math alone is in
-test_schedules.py; jumps of the wall clock are in test_scheduler.py), and a real process whose
+test_schedules.py; jumps of the wall clock are in test_runs.py), and a real process whose
 clock is set to 1970 and then corrected."""
 
 import datetime as dt
@@ -65,6 +65,8 @@ def declare(s):
         getattr(s, kind)(name, text, lambda ctx: None, tz=ATHENS)
 
 
+# (SQLite only: the sweep moves a manual clock step by step, and on PostgreSQL an idle look waits
+# up to 5 s to be told of a change; what is under test is the schedule, whatever the store)
 @pytest.mark.parametrize(
     ("start", "end", "expected"),
     [
@@ -113,6 +115,7 @@ def test_daylight_saving_through_a_running_scheduler(db, start, end, expected):
     assert run(main()) == expected
 
 
+# (SQLite only: a manual clock's jumps; the same jump on both stores is in test_runs.py)
 def test_forward_jump_of_three_hours_catches_up_once_and_floods_nothing(db):
     """A device suspended for three hours: each job's occurrences in between are recorded missed,
     except the most recent one inside its ``catch_up`` window, which runs once."""
@@ -202,6 +205,7 @@ class ClockWorker:
                 self.proc.wait()
 
 
+# (SQLite only: a real process under faketime; leases on PostgreSQL are on the server's clock)
 def test_a_process_booting_with_its_clock_in_1970(tmp_path):
     """A device runs a 1 s job, powers off, and boots with its clock on 2 January 1970: the new
     process runs nothing and says so once; when the clock is corrected it carries on, and no

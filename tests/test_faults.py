@@ -1,5 +1,5 @@
 """Store faults under a running scheduler. On both stores, injected through the store interface
-(``conftest.inject``): renewals failing for part of a lease, checkpoint writes failing. On the SQLite
+(``conftest.faulty``, handed in as ``Scheduler(store=...)``): renewals failing for part of a lease, checkpoint writes failing. On the SQLite
 file, the faults only a file has: a lock held past the busy timeout, a full disk, a read-only
 location, the file deleted or replaced, and a file of a previous schema version.
 
@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, inject, run, wait_for
+from conftest import QUIET, faulty, run, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -100,7 +100,7 @@ def test_renewals_failing_for_half_a_lease_keep_it(store, caplog):
     outage = Outage(Scheduler(store).path)
 
     async def main():
-        a = inject(make(store, instance="a"), renew_all=outage)
+        a = make(store, instance="a", store=faulty(renew_all=outage))
         b = make(store, instance="b")
         done = asyncio.Event()
         seen = []
@@ -162,14 +162,14 @@ def test_a_failing_checkpoint_write_names_the_store_and_the_attempt_succeeds_onc
     outage = Outage(Scheduler(store).path, "disk full (injected)")
 
     async def main():
-        s = inject(make(store), checkpoint_write=outage)
+        s = make(store, store=faulty(checkpoint_write=outage))
         go, errors = declare_writers(s, "x" * 200_000)
 
         async with s:
             await s.trigger("first")
             await wait_for(lambda: finished(s, "first"), message="the first record")
             slot = await s.trigger("export")
-            await wait_for(lambda: s._attempts, message="the export to start")
+            await wait_for(lambda: s._loop.runner.running, message="the export to start")
             outage.on = True
             go.set()
             await wait_for(lambda: len(errors) >= 3, message="failed writes")
@@ -209,7 +209,7 @@ def test_lock_held_past_the_busy_timeout_keeps_the_lease(db, caplog, monkeypatch
             await wait_for(lambda: len(seen) == 1, message="the run to start")
             async with b:
                 await asyncio.get_running_loop().run_in_executor(None, hold_lock, db, 1.5)
-                renewed = a._heartbeats.lateness.samples
+                renewed = a._loop.heartbeats.lateness.samples
                 before = len(renewed)
                 # renewals land again once the lock is free (two rounds: b watches the run meanwhile)
                 await wait_for(lambda: len(renewed) >= before + 2, message="renewals after the lock")
@@ -287,7 +287,7 @@ def test_full_disk_while_running(db, monkeypatch):
             await s.trigger("first")
             await wait_for(lambda: finished(s, "first"), message="the first record")
             slot = await s.trigger("export")
-            await wait_for(lambda: s._attempts, message="the export to start")
+            await wait_for(lambda: s._loop.runner.running, message="the export to start")
             disk.fill()
             go.set()
             await wait_for(lambda: len(errors) >= 3, message="failed writes")

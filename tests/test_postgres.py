@@ -13,7 +13,7 @@ import time
 import urllib.parse
 
 import pytest
-from conftest import QUIET, Process, inject, needs_faketime, run, wait_for, wall_clock_ahead
+from conftest import QUIET, Process, faulty, needs_faketime, run, wait_for, wall_clock_ahead
 
 import anarchon_lite as al
 from anarchon_lite import LeaseLost, Scheduler, StoreError
@@ -67,7 +67,7 @@ def test_a_terminated_session_aborts_the_owner_at_once_and_another_process_takes
             await a.trigger("work")
             await wait_for(lambda: ("a", 1, "start") in events, message="attempt 1 on a")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 loop = asyncio.get_running_loop()
                 ended = loop.time()
                 assert await loop.run_in_executor(None, terminate_session_of, url, "a") == [(True,)]
@@ -77,7 +77,7 @@ def test_a_terminated_session_aborts_the_owner_at_once_and_another_process_takes
                 taken = loop.time() - ended
                 await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
                 # a reconnects, locks again and goes on working: the next run goes to whichever claims it
-                await wait_for(lambda: a._ready.is_set() and _identity(a).held.is_set(), message="a back")
+                await wait_for(lambda: a._loop.ready.is_set() and _identity(a).held.is_set(), message="a back")
                 slot = await a.trigger("work")
                 await wait_for(lambda: any(e[2] == "start" and e[1] == 1 for e in events[3:]), message="next run")
                 assert slot
@@ -287,15 +287,15 @@ def test_a_partitioned_owner_loses_its_run_after_the_lease_and_its_writes_are_re
             await a.trigger("work")
             await wait_for(lambda: ("a", 1, "start") in events, message="attempt 1 on a")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 proxy.freeze()
                 frozen = loop.time()
                 await wait_for(lambda: ("b", 2, "start") in events, timeout=15, message="b to take over")
                 taken = loop.time() - frozen
                 await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
-                aborted = a._attempts and next(iter(a._attempts.values())).token.reason
+                aborted = a._loop.runner.running and next(iter(a._loop.runner.running.values())).token.reason
                 proxy.thaw()
-                await wait_for(lambda: not a._attempts, timeout=30, message="a's attempt to end")
+                await wait_for(lambda: not a._loop.runner.running, timeout=30, message="a's attempt to end")
         assert isinstance(aborted, LeaseLost), aborted  # by a's own clock, inside the partition
         assert 1.0 < taken < 2.0 + 1.5, f"taken over {taken:.2f} s after the partition (lease 2 s)"
         [(value, by)] = sql(url, "SELECT value, attempt FROM checkpoints")
@@ -393,7 +393,7 @@ def test_the_stores_prepared_statements_survive_a_deallocate_all(url):
         return s
 
     s = run(declare())
-    store = s._link.backend.main()
+    store = s._link.backend.control_store()
     claim = al._Claim("job", 1, 1, 0)
     try:
         for reset in ("DEALLOCATE ALL", "DEALLOCATE ALL", None):
@@ -435,14 +435,14 @@ def test_a_lock_session_ended_where_its_owner_cannot_see_it_never_gives_two_hand
             await a.trigger("work")
             await wait_for(lambda: len(working["a"]) > 10, message="attempt 1 at work on a")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 proxy.freeze()
                 assert terminate_session_of(url, "a") == [(True,)]
                 ended = time.monotonic()
                 await wait_for(lambda: working["b"], timeout=15, message="b to take over")
                 await wait_for(lambda: _has(b, "work", (2, "succeeded")), message="attempt 2 recorded")
                 proxy.thaw()
-                await wait_for(lambda: not a._attempts, timeout=30, message="a's attempt to end")
+                await wait_for(lambda: not a._loop.runner.running, timeout=30, message="a's attempt to end")
         overlap = working["a"][-1] - working["b"][0]
         assert overlap < 0, f"both handlers worked for {overlap:.3f} s"
         assert working["b"][0] - ended < 5.0, "taken over by the lease, not by the free lock"
@@ -513,7 +513,7 @@ def test_through_pgbouncer_in_session_mode_every_occurrence_runs_once_and_an_end
             slot = await a.trigger("hold")
             await wait_for(lambda: ("hold", slot, "a", 1) in events, message="a to run hold")
             async with b:
-                await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
                 slots = [await b.trigger("work") for _ in range(5)]
                 await wait_for(lambda: sum(e[0] == "work" for e in events) >= 5, message="five runs")
                 assert sorted(e[1] for e in events if e[0] == "work") == slots  # each once
@@ -658,7 +658,7 @@ def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
         nonlocal started
         started = asyncio.Event()
         a = Scheduler(url, instance="a", poll=0.05)
-        b = inject(Scheduler(url, instance="b"), **{name: counted(name) for name in calls})
+        b = Scheduler(url, instance="b", store=faulty(**{name: counted(name) for name in calls}))
         for s in (a, b):
 
             @s.every("long", "24h", offset=QUIET)
@@ -690,12 +690,12 @@ def test_changes_told_in_a_burst_are_read_together(url):
 
     async def main():
         a = Scheduler(url, instance="a")
-        b = inject(Scheduler(url, instance="b"), runs=counted)
+        b = Scheduler(url, instance="b", store=faulty(runs=counted))
         for s in (a, b):
             s.every("burst", "24h", lambda ctx: None, offset=QUIET)
         await a.pause("burst")  # (the triggered runs stay pending: b reads them, runs nothing)
         async with b:
-            await wait_for(lambda: b._ready is not None and b._ready.is_set(), message="b ready")
+            await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
             began = time.monotonic()
             for _ in range(100):
                 await a.trigger("burst")
@@ -713,9 +713,9 @@ def test_the_lock_session_is_made_again_when_the_loop_resets_at_once(url):
 
     async def main():
         backend = al._Postgres(url, False, 30.0, 1000)
-        run_store = backend.main()
+        run_store = backend.control_store()
         run_store.register([])  # (the schema)
-        changes = backend.changes(asyncio.get_running_loop(), lambda: None, False, "me")
+        changes = backend.changes(asyncio.get_running_loop(), lambda: None, "me")
         changes.vouch_for(lambda: False, lambda why: changes.reset())  # the reset, at the worst moment
         try:
             identity = backend._identity
@@ -739,9 +739,12 @@ def test_a_long_c_call_holding_the_gil_aborts_nothing(url):
     """A plain-function handler in one long C call holds the GIL past ``_PG_VOUCH``: the thread that
     proves the lock session is held up with everything else, and finds the session answering when
     it runs again. Nothing is aborted (on SQLite the same stall is bounded by the lease alone)."""
-    began = time.perf_counter()
-    sum(range(2_000_000))
-    size = int(2_000_000 * 0.8 / max(time.perf_counter() - began, 1e-6))  # about 0.8 s in one call
+    took = []
+    for _ in range(3):  # the fastest of three: a calibration slowed by a busy machine makes the call too short
+        began = time.perf_counter()
+        sum(range(2_000_000))
+        took.append(time.perf_counter() - began)
+    size = int(2_000_000 * 0.8 / max(min(took), 1e-6))  # about 0.8 s in one call
     done = []
 
     async def main():
@@ -879,7 +882,7 @@ def test_a_claim_that_finds_every_job_moved_tells_no_one(url):
         store, other = declared(process.open()), process.open()
         assert isinstance(claim_due(store, "a"), al._Claim)
         listener.execute(f'LISTEN "{al._pg_channel(target)}"')
-        assert claim_due(store, "b") is al._Claimless.MOVED
+        assert claim_due(store, "b") is al._NotClaimed.MOVED
         assert other.set_paused("job", True, 5000)
         pause = other._connect().info.backend_pid
         told = next(listener.notifies(timeout=10))

@@ -176,7 +176,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.owners[process], 1, al._Due("job", 0, SLOT, SLOT + 1000, [], True, True, LEASE)
         )
         if self.state != "none":
-            assert got is al._Claimless.MOVED  # the watermark moved: someone claimed it first
+            assert got is al._NotClaimed.MOVED  # the watermark moved: someone claimed it first
             return multiple()
         return self._grant(process, got)
 
@@ -218,7 +218,9 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(entry=claims, then=st.sampled_from(["done", "handover"]))
     def finish(self, entry, then):
         process, claim = entry
-        ok = self.stores[process].finish(self.owners[process], al._End(claim, "succeeded", None, 2, al._Then(then), 0))
+        ok = self.stores[process].finish(
+            self.owners[process], al._End(claim, "succeeded", None, 2, al._AfterEnd(then), 0)
+        )
         assert ok == (self.holder == (process, claim.attempt))
         if ok:
             self.holder, self.state = None, ("done" if then == "done" else "pending")

@@ -87,6 +87,7 @@ def test_every_shell_command_shown_is_one_a_test_or_ci_runs():
     assert "python -m pytest -q" in ci
 
 
+# (SQLite only: the hello world as the README shows it, on a file)
 def test_the_hello_world_runs_each_occurrence_once_in_two_processes(tmp_path):
     """The README shows examples/hello.py whole; two copies of it print each occurrence once."""
     source = (ROOT / "examples" / "hello.py").read_text()
@@ -117,6 +118,7 @@ def test_the_hello_world_runs_each_occurrence_once_in_two_processes(tmp_path):
     assert all(proc.returncode == 0 for proc in procs)
 
 
+# (SQLite only: the crontab as the README shows it, on a file)
 def test_the_crontab_shown_checks_and_runs(tmp_path):
     """The README's crontab (the "After" one) passes --check with both entries, and a crontab
     process runs it on a file of its own (joined, both jobs registered) and stops cleanly."""

@@ -36,6 +36,7 @@ def test_the_demo_hands_the_export_over_and_exports_each_customer_once():
     assert "1200 customers exported, 1200 rows" in out
 
 
+# (SQLite only: the recipe as the README writes it, on a file)
 def test_a_batch_repeated_after_a_crash_is_safe_and_the_timeout_stops_the_job(tmp_path):
     """Step 4: a batch exported but not checkpointed is exported again, as an upsert. Step 2: the
     timeout aborts the signal and the job really stops."""

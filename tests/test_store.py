@@ -71,7 +71,7 @@ def test_exactly_one_claim_wins_across_connections(process):
     for t in threads:
         t.join()
     assert sum(isinstance(r, al._Claim) for r in results) == 1
-    assert results.count(al._Claimless.MOVED) == 7
+    assert results.count(al._NotClaimed.MOVED) == 7
 
 
 def test_fencing_refuses_a_superseded_attempt(s):
@@ -109,14 +109,16 @@ def test_a_renewed_lease_cannot_be_taken_over(process, s):
 
 def test_missed_records_and_watermark_are_one_transaction(s):
     missed = [(1000, None), (2000, "and 5 more")]
-    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, missed, False, True, 0)) is al._Claimless.RECORDED
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, missed, False, True, 0)) is al._NotClaimed.RECORDED
     assert s.job("job").last_slot == 3000
     assert [(r.slot, r.status, r.error) for r in reversed(s.history("job", 10))] == [
         (1000, "missed", None),
         (2000, "missed", "and 5 more"),
     ]
     # a stale watermark writes nothing
-    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, True, 0)) is al._Claimless.MOVED
+    assert (
+        s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, True, 0)) is al._NotClaimed.MOVED
+    )
 
 
 def test_a_lease_runs_out_on_the_stores_clock(process, s):

@@ -71,6 +71,7 @@ def manager(request, tmp_path):
         found.close()
 
 
+# (SQLite only: what systemd is told does not depend on the store)
 def test_crontab_under_systemd_is_ready_says_what_it_does_pings_and_says_it_stops(tmp_path, manager):
     """`crontab` with $NOTIFY_SOCKET and $WATCHDOG_USEC: READY=1 with a STATUS once joined, the
     running command in a later STATUS, WATCHDOG=1 every half of the timeout, and at SIGTERM
@@ -105,6 +106,7 @@ def test_crontab_under_systemd_is_ready_says_what_it_does_pings_and_says_it_stop
         proc.wait()
 
 
+# (SQLite only: the watchdog pings come from the event loop, whatever the store)
 def test_watchdog_pings_come_from_the_event_loop_not_while_it_is_blocked(db, monkeypatch):
     """WATCHDOG=1 is sent from the event loop: a handler busy in a worker thread does not stop the
     pings (systemd must not restart a process that works), an async handler that blocks the loop

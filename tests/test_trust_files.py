@@ -302,7 +302,7 @@ def test_a_lease_board_another_user_made_is_refused_and_leases_renewed_in_the_fi
         async with s:
             await s.trigger("work")
             await wait_for(lambda: attempts, message="the run to start")
-            renewed = s._heartbeats.lateness.samples
+            renewed = s._loop.heartbeats.lateness.samples
             await wait_for(lambda: len(renewed) >= 4, message="four renewals (two leases)")
             done.set()
             await wait_for(lambda: finished(s), message="the record")

@@ -29,6 +29,7 @@ def daemons(tmp_path):
         found.close()
 
 
+# (SQLite only: a database file given where a crontab is expected)
 def test_crontab_given_a_database_file_says_so_in_one_line(tmp_path):
     """`crontab jobs.db` (the arguments swapped): one line naming --db, exit 2, nothing written."""
     db = tmp_path / "jobs.db"
@@ -43,6 +44,7 @@ def test_crontab_given_a_database_file_says_so_in_one_line(tmp_path):
     assert db.read_bytes() == before and not (tmp_path / "other.db").exists()
 
 
+# (SQLite only: the metrics file is local whatever the store)
 def test_the_metrics_file_is_written_without_following_a_planted_link(tmp_path):
     """Links planted in the metrics file's directory, at the temporary names an earlier version used
     (``PATH.<pid>.tmp``), at a guessable one and at PATH itself, all pointing at a file that must not
@@ -67,6 +69,7 @@ def test_the_metrics_file_is_written_without_following_a_planted_link(tmp_path):
     assert "anarchon_job_running" in path.read_text() and not path.is_symlink()
 
 
+# (SQLite only: the service manager's socket does not depend on the store)
 def test_a_service_manager_that_does_not_read_never_stops_the_scheduler(tmp_path):
     """$NOTIFY_SOCKET names a datagram socket whose queue is full and that nobody reads: jobs keep
     running, the messages held back go out as one (READY=1 kept, the newest STATUS) once it reads,
@@ -186,6 +189,7 @@ def test_a_command_that_escapes_its_group_is_ended_before_the_next_attempt(tmp_p
         end_marked(token)
 
 
+# (SQLite only: process groups on this host; the tests beside it run on both stores)
 @pytest.mark.parametrize("end", ["timed_out", "cancelled", "kill -9"])
 def test_a_timeout_a_cancel_or_the_reaper_ends_what_escaped_the_group(tmp_path, daemons, end):
     """A command that escaped its group (setsid, a double fork) keeping its marker is ended with the

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, inject, run, stop_processes, wait_for
+from conftest import QUIET, faulty, run, stop_processes, wait_for
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler
@@ -169,7 +169,7 @@ def test_one_ends_fault_never_fails_its_neighbours_in_the_batch(store):
     async def main():
         nonlocal both
         both = asyncio.Event()
-        s = inject(Scheduler(store, poll=0.02), finish_many=finish_many)
+        s = Scheduler(store, poll=0.02, store=faulty(finish_many=finish_many))
         s.every("bad", "24h", together, offset=QUIET)
         s.every("good", "24h", together, offset=QUIET)
         async with s:

@@ -350,6 +350,17 @@ def shoot(browser, name):
         browser.save_screenshot(os.path.join(folder, f"status-page-{name}.png"))
 
 
+def text_of(browser, selector):
+    """The text of the first element ``selector`` finds now ("" while the page is being replaced)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return browser.find_element(By.CSS_SELECTOR, selector).text
+    except (NoSuchElementException, StaleElementReferenceException):
+        return ""
+
+
 def progress_of(browser, job):
     """The value of ``job``'s progress bar on the page now (None while it shows none)."""
     from selenium.common.exceptions import StaleElementReferenceException
@@ -376,7 +387,7 @@ def test_in_a_browser_jobs_a_live_run_its_progress_an_error_and_markup_that_stay
 
     # a run started after the page loaded appears, and its progress bar moves, without a reload
     browser.get(web.url + "running")
-    wait_until(lambda: browser.find_element(By.ID, "live").text == "live", what="the page listening")
+    wait_until(lambda: text_of(browser, "#live") == "live", what="the page listening")
     cli(app, "trigger", "work")
     first = wait_until(lambda: progress_of(browser, "work"), what="the work run's progress bar")
     wait_until(lambda: (progress_of(browser, "work") or 0) > first, what="the progress bar moving")
@@ -384,10 +395,10 @@ def test_in_a_browser_jobs_a_live_run_its_progress_an_error_and_markup_that_stay
 
     # a failed run's error, arrived live, shows as the text it is
     browser.get(web.url + "job/fail")
-    wait_until(lambda: browser.find_element(By.ID, "live").text == "live", what="the page listening")
+    wait_until(lambda: text_of(browser, "#live") == "live", what="the page listening")
     cli(app, "trigger", "fail")
     error = "the disk <b>is</b> full"
-    wait_until(lambda: error in browser.find_element(By.ID, "recent").text, what="the failed run's error")
+    wait_until(lambda: error in text_of(browser, "#recent"), what="the failed run's error")
     assert browser.find_elements(By.CSS_SELECTOR, "#recent b") == []
     shoot(browser, "job")
 
@@ -419,7 +430,7 @@ def test_in_a_browser_control_needs_the_token(browser, app):
         assert browser.current_url == page.url + "job/tick"  # (the token went into a cookie)
         shoot(browser, "control")
         next(b for b in browser.find_elements(By.TAG_NAME, "button") if b.text == "pause").click()
-        wait_until(lambda: "paused" in browser.find_element(By.TAG_NAME, "table").text, what="the job paused")
+        wait_until(lambda: "paused" in text_of(browser, "table"), what="the job paused")  # (after the form's answer)
         assert paused(app, "tick")
     finally:
         browser.delete_all_cookies()

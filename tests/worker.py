@@ -132,7 +132,7 @@ async def main():
         scheduler.every("escape", "24h", escape, offset=QUIET, retries=2, retry_delay="100ms")
     runner = asyncio.ensure_future(scheduler.run())
     await asyncio.sleep(0)
-    while scheduler._ready is None or not scheduler._ready.is_set():
+    while scheduler._loop.ready is None or not scheduler._loop.ready.is_set():
         if runner.done():
             runner.result()  # the scheduler failed to start: show why
         await asyncio.sleep(0.01)

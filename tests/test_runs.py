@@ -1,0 +1,575 @@
+"""Runs and their history in one process: schedules, overlap, timeouts, retries, catch-up and
+clock jumps, what careless handlers cannot do, records and their pruning."""
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+from conftest import QUIET, counting_looks, run, wait_for
+from schedulers import (
+    HOUR,
+    aligned,
+    execute,
+    has,
+    last_succeeded,
+    looks_pass,
+    make,
+    next_slot,
+    statuses,
+)
+
+from anarchon_lite import (
+    ConfigError,
+    RunTimeout,
+    Scheduler,
+)
+
+
+@pytest.fixture
+def db(store):
+    """Every test here runs on both stores (``store``), unless marked ``sqlite_only``."""
+    return store
+
+
+def test_every_runs_each_slot_once_across_two_schedulers(db, clock):
+    aligned(clock, HOUR)
+    seen = []
+
+    async def main():
+        (counted_a, looks_a), (counted_b, looks_b) = counting_looks(), counting_looks()
+        a, b = make(db, clock, instance="a", store=counted_a), make(db, clock, instance="b", store=counted_b)
+        for s in (a, b):
+            s.every("hourly", "1h", lambda ctx: seen.append((ctx.slot, ctx.instance, ctx.attempt)))
+        async with a, b:
+            for n in range(1, 4):
+                next_slot(clock, HOUR)
+                # wait for the record, not only the handler: moving the clock an hour while the run
+                # is still open would (rightly) expire its lease and let the other scheduler take it
+                await wait_for(lambda n=n: has(a, "hourly", "succeeded", n), message=f"run {n}")
+            await looks_pass(a, looks_a)  # both looked again: neither runs a slot a second time
+            await looks_pass(b, looks_b)
+        assert len(seen) == 3 and len({slot for slot, _, _ in seen}) == 3
+        assert all(slot % 3_600_000 == 0 and attempt == 1 for slot, _, attempt in seen)
+        assert [st for _, _, st in await statuses(a)] == ["succeeded"] * 3
+
+    run(main())
+
+
+def test_context_fields(db, clock):
+    aligned(clock, 60)
+    got = {}
+
+    async def main():
+        s = make(db, clock, instance="me")
+
+        @s.every("ctx", "1m", offset="0s")
+        async def handler(ctx):
+            got.update(job=ctx.job, slot=ctx.slot, at=ctx.scheduled_at, attempt=ctx.attempt, instance=ctx.instance)
+            ctx.log.info("hello")
+            return 1
+
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: got)
+        assert got["job"] == "ctx" and got["attempt"] == 1 and got["instance"] == "me"
+        assert got["slot"] % 60_000 == 0 and got["at"].timestamp() * 1000 == got["slot"]
+        assert got["at"].tzinfo is not None
+
+    run(main())
+
+
+def test_overlap_skip_and_allow(db, clock):
+    aligned(clock, 60)
+
+    async def main():
+        s = make(db, clock)
+        gate = asyncio.Event()
+        started = []
+
+        async def slow(ctx):
+            started.append((ctx.job, ctx.slot))
+            await gate.wait()
+
+        s.every("skip", "1m", slow)
+        s.every("allow", "1m", slow, overlap="allow")
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: len(started) == 2)
+            next_slot(clock, 60)
+            await wait_for(lambda: has(s, "skip", "skipped"))
+            await wait_for(lambda: len(started) == 3)
+            gate.set()
+            await wait_for(lambda: has(s, "allow", "succeeded", 2))
+            await wait_for(lambda: has(s, "skip", "succeeded", 1))
+        assert [j for j, _ in started].count("allow") == 2 and [j for j, _ in started].count("skip") == 1
+        skipped = [r for r in await s.history("skip") if r.status == "skipped"]
+        assert skipped[0].attempt == 0
+
+    run(main())
+
+
+def test_every_run_is_logged_with_its_fields(db, clock, caplog):
+    """A start and a success at INFO, a failure at ERROR with the handler's error, a skipped
+    occurrence at WARNING; each record carries job, slot, attempt, status (and duration at the end)."""
+    aligned(clock, 60)
+
+    async def main():
+        s = make(db, clock)
+        gate = asyncio.Event()
+
+        async def slow(ctx):
+            await gate.wait()
+
+        def broken(ctx):
+            raise ValueError("no such table")
+
+        s.every("slow", "1m", slow)
+        s.every("broken", "1m", broken)
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: has(s, "broken", "failed"))
+            next_slot(clock, 60)
+            await wait_for(lambda: has(s, "slow", "skipped"))
+            gate.set()
+            await wait_for(lambda: has(s, "slow", "succeeded"))
+
+    with caplog.at_level(logging.INFO, logger="anarchon_lite"):
+        run(main())
+    runs = [r for r in caplog.records if hasattr(r, "status")]
+    by = {(r.job, r.status): r for r in runs}
+    assert by[("slow", "running")].levelno == logging.INFO and by[("slow", "running")].attempt == 1
+    done = by[("slow", "succeeded")]
+    assert done.levelno == logging.INFO and done.duration >= 0 and "succeeded after" in done.getMessage()
+    failed = by[("broken", "failed")]
+    assert failed.levelno == logging.ERROR and "ValueError: no such table" in failed.getMessage()
+    skipped = by[("slow", "skipped")]
+    assert skipped.levelno == logging.WARNING and skipped.slot == done.slot + 60_000 and skipped.attempt == 0
+
+
+def test_timeout_aborts_signal_and_records_timed_out(db):
+    reasons = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("slow", "1s", timeout="200ms")
+        async def slow(ctx):
+            try:
+                await ctx.signal.sleep(30)
+            except RunTimeout as exc:
+                reasons.append(exc)
+                raise
+
+        async with s:
+            await wait_for(lambda: has(s, "slow", "timed_out"))
+        assert isinstance(reasons[0], TimeoutError)
+
+    run(main())
+
+
+def test_timeout_wins_however_the_handler_ends(db):
+    async def main():
+        s = make(db)
+
+        @s.every("swallow", "1s", timeout="100ms")
+        async def swallow(ctx):
+            try:
+                await ctx.signal.sleep(30)
+            except RunTimeout:
+                return "ignored it"
+
+        async with s:
+            await wait_for(lambda: has(s, "swallow", "timed_out"))
+        assert not await has(s, "swallow", "succeeded")
+
+    run(main())
+
+
+def test_handler_ignoring_its_signal_is_cancelled_after_grace(db):
+    cancelled = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("stubborn", "24h", offset=QUIET, timeout="100ms", grace="200ms")
+        async def stubborn(ctx):
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        async with s:
+            await s.trigger("stubborn")
+            await wait_for(lambda: has(s, "stubborn", "timed_out"))
+        assert cancelled == [True]
+
+    run(main())
+
+
+def test_retries_with_backoff_then_failed(db):
+    attempts = []
+
+    async def main():
+        counted, looks = counting_looks()
+        s = make(db, store=counted)
+
+        @s.every("flaky", "24h", offset=QUIET, retries=2, retry_delay="100ms")
+        def flaky(ctx):
+            attempts.append((ctx.attempt, time.monotonic()))
+            raise ValueError(f"boom {ctx.attempt}")
+
+        async with s:
+            await s.trigger("flaky")
+            await wait_for(lambda: len(attempts) == 3)
+            await wait_for(lambda: has(s, "flaky", "failed", 3))
+            await looks_pass(s, looks)  # no fourth attempt
+        assert [a for a, _ in attempts] == [1, 2, 3]
+        # backoff doubles: 100 ms, then 200 ms
+        assert attempts[2][1] - attempts[1][1] >= 0.19 and attempts[1][1] - attempts[0][1] >= 0.09
+        records = [r for r in await s.history("flaky") if r.status == "failed"]
+        assert "ValueError: boom 3" in records[0].error
+
+    run(main())
+
+
+def test_retry_succeeds(db):
+    async def main():
+        s = make(db)
+
+        @s.every("second-time", "24h", offset=QUIET, retries=1, retry_delay="50ms")
+        async def handler(ctx):
+            if ctx.attempt == 1:
+                raise RuntimeError("first")
+
+        async with s:
+            await s.trigger("second-time")
+            await wait_for(lambda: has(s, "second-time", "succeeded"))
+        assert [st for _, _, st in await statuses(s)] == ["failed", "succeeded"]
+
+    run(main())
+
+
+def test_catch_up_after_a_forward_jump(db, clock):
+    aligned(clock, HOUR)
+    seen = []
+
+    async def main():
+        counted, looks = counting_looks()
+        s = make(db, clock, store=counted)
+        s.every("recent", "1h", lambda ctx: seen.append(("recent", ctx.slot)), catch_up="45m")
+        s.every("none", "1h", lambda ctx: seen.append(("none", ctx.slot)))
+        async with s:
+            await looks_pass(s, looks)  # the jobs are in the file before the clock jumps
+            start = clock.time() + 0.5
+            clock.jump(3 * HOUR + 1200)  # 3 h 20 m later, all at once
+            await wait_for(lambda: has(s, "none", "missed", 4))
+            await wait_for(lambda: any(j == "recent" for j, _ in seen))
+            await looks_pass(s, looks)  # and nothing more runs
+        # slots start, +1h, +2h, +3h are late; only +3h (20 minutes old) is inside the window
+        assert seen == [("recent", int((start + 3 * HOUR) * 1000))]
+        assert [st for _, _, st in await statuses(s, "recent")] == ["missed"] * 3 + ["succeeded"]
+        assert [st for _, _, st in await statuses(s, "none")] == ["missed"] * 4
+
+    run(main())
+
+
+def test_a_long_outage_writes_at_most_100_missed_records(db, clock):
+    aligned(clock, 60)
+
+    async def main():
+        counted, looks = counting_looks()
+        s = make(db, clock, store=counted)
+        s.every("minutely", "1m", lambda ctx: None)
+        async with s:
+            await looks_pass(s, looks)
+            clock.jump(30 * 86400)
+            await wait_for(lambda: has(s, "minutely", "missed", 100))
+            await looks_pass(s, looks)  # and no more records
+        records = await s.history("minutely", limit=1000)
+        assert len(records) == 100
+        assert "43100 more" in records[0].error
+
+    run(main())
+
+
+def test_backward_jump_runs_nothing_twice_and_warns_once(db, clock, caplog):
+    aligned(clock, 60)
+    seen = []
+
+    async def main():
+        counted, looks = counting_looks()
+        s = make(db, clock, store=counted)
+        s.every("m", "1m", lambda ctx: seen.append(ctx.slot))
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: len(seen) == 1)
+            next_slot(clock, 60)
+            await wait_for(lambda: len(seen) == 2)
+            clock.jump(-HOUR)
+            await looks_pass(s, looks)
+            clock.jump(HOUR - 1)  # back to just before where it was
+            await looks_pass(s, looks)
+            clock.advance(1)  # past the slot that already ran: it does not run twice
+            await looks_pass(s, looks)
+            assert len(seen) == 2
+            next_slot(clock, 60)
+            await wait_for(lambda: len(seen) == 3)
+        assert len(set(seen)) == 3 and seen == sorted(seen)
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    assert sum("earlier than the newest occurrence" in r.message for r in caplog.records) == 1
+
+
+def test_device_booting_in_1970(db, clock):
+    aligned(clock, HOUR)
+    seen = []
+
+    async def main():
+        s = make(db, clock)
+        s.every("h", "1h", lambda ctx: seen.append(ctx.slot), catch_up="2h")
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: len(seen) == 1)
+        real_now = clock.time()
+        clock.jump(-real_now + 86400)  # the device boots on 2 January 1970
+        counted, looks = counting_looks()
+        s2 = make(db, clock, store=counted)
+        s2.every("h", "1h", lambda ctx: seen.append(ctx.slot), catch_up="2h")
+        async with s2:
+            clock.advance(3 * HOUR)
+            await looks_pass(s2, looks)
+            assert len(seen) == 1  # nothing runs while the clock is plainly unset
+            clock.jump(real_now - clock.time() + HOUR + 60)  # NTP corrects it, an hour later
+            await wait_for(lambda: len(seen) == 2)
+        assert seen[1] - seen[0] == 3_600_000
+
+    run(main())
+
+
+def test_late_occurrences_found_in_one_look_run_once(db, clock):
+    async def main():
+        first = make(db, clock)
+        first.every("fast", "300ms", lambda ctx: None)
+        async with first:  # the job is registered: its watermark is now
+            pass
+        since = int(clock.time() * 1000)
+        clock.advance(1.5)  # a restart that took 1.5 s: five occurrences came due meanwhile
+        now = int(clock.time() * 1000)
+        due = [slot for slot in range(since // 300 * 300 + 300, now + 1, 300)]
+        for catch_up in (None, "1h"):
+            second = make(db, clock)
+            second.every("fast", "300ms", lambda ctx: None, catch_up=catch_up)
+            runs = 1 if catch_up is None else 2
+            async with second:
+                await wait_for(lambda s=second, n=runs: has(s, "fast", "succeeded", n))
+            if catch_up is None:
+                assert await statuses(second) == [(s, 0, "missed") for s in due[:-1]] + [(due[-1], 1, "succeeded")]
+                clock.advance(0.9)  # three more, all on time; again only the newest runs
+                since, now = now, int(clock.time() * 1000)
+                due = [slot for slot in range(since // 300 * 300 + 300, now + 1, 300)]
+        assert [st for _, _, st in (await statuses(second))[-3:]] == ["missed", "missed", "succeeded"]
+
+    run(main())
+
+
+def test_history_retention(db, clock):
+    async def main():
+        s = make(db, clock, retention=5)
+        s.every("r", "1h", lambda ctx: None, overlap="allow")
+        async with s:
+            slots = []
+            for _ in range(8):
+                slots.append(await s.trigger("r"))
+                await wait_for(lambda: has(s, "r", "succeeded", min(len(slots), 5)))
+                await wait_for(lambda: last_succeeded(s, "r", slots[-1]))
+        records = await s.history("r")
+        assert [r.slot for r in reversed(records)] == slots[-5:]
+
+    run(main())
+
+
+def test_history_pruning_keeps_the_record_of_a_run_in_progress(db, clock):
+    release = threading.Event()
+
+    async def main():
+        s = make(db, clock, retention=2)
+        s.every("long", "1h", lambda ctx: release.wait(10), overlap="skip")
+        async with s:
+            slot = await s.trigger("long")
+            await wait_for(lambda: s._loop.runner.running)
+            for _ in range(5):  # skipped, one after another, while the run goes on
+                await s.trigger("long")
+            await wait_for(lambda: has(s, "long", "skipped", 2))
+            await asyncio.sleep(0.1)
+            release.set()
+            await wait_for(lambda: last_succeeded(s, "long", slot))
+        with pytest.raises(ConfigError, match="retention"):
+            Scheduler(db, retention=0)
+
+    run(main())
+
+
+def test_history_is_pruned_once_it_holds_a_tenth_more_than_the_retention(db):
+    """retention=20 keeps 20 records, pruned when a 23rd comes (a tenth more, 2, is let pass):
+    one prune each so many records rather than a write at every one; the counters keep them all."""
+
+    async def main():
+        s = make(db, retention=20)
+        s.every("r", "1d", lambda ctx: None, overlap="allow")
+        sizes = []
+        async with s:
+            for count in range(1, 24):
+                slot = await s.trigger("r")
+                await wait_for(lambda slot=slot: last_succeeded(s, "r", slot), message=f"run {count}")
+                sizes.append(len(await s.history("r", limit=1000)))
+            figures = await s.prometheus()
+        assert sizes == [*range(1, 23), 20]
+        assert 'anarchon_job_runs_total{job="r",status="succeeded"} 23' in figures.splitlines()
+
+    run(main())
+
+
+def test_status_shows_each_jobs_newest_record_whoever_wrote_it(store):
+    """Each job's row keeps its newest record's status and start, which ``status`` reads (one scan
+    of the jobs, not a search of the history per job); the store keeps them whoever writes the
+    record: a process of this version, of the version before, or a person with a SQL shell. A
+    change to an older record leaves them alone."""
+
+    async def main():
+        s = make(store)
+        s.every("export", "24h", lambda ctx: None, offset=QUIET)
+        async with s:
+            slot = await s.trigger("export")
+            await wait_for(lambda: last_succeeded(s, "export", slot), message="its record")
+        return slot
+
+    slot = run(main())
+
+    def newest():
+        (job,) = run(make(store).status())
+        return job.last_status, None if job.last_at is None else int(job.last_at.timestamp() * 1000)
+
+    assert newest()[0] == "succeeded"
+    record = (
+        "INSERT INTO history (job, slot, attempt, status, instance, started_at) VALUES ('export', ?, ?, ?, 'old', ?)"
+    )
+    execute(store, record, (1000, 1, "running", 2000))
+    assert newest() == ("running", 2000)
+    execute(store, "UPDATE history SET status = 'interrupted' WHERE job = 'export' AND slot = ?", (slot,))
+    assert newest() == ("running", 2000)
+    execute(store, "UPDATE history SET status = 'failed' WHERE job = 'export' AND slot = 1000")
+    assert newest() == ("failed", 2000)
+    execute(store, record, (3000, 0, "missed", None))
+    assert newest() == ("missed", 3000)
+    assert execute(store, "SELECT last_status, last_at FROM jobs") == [("missed", 3000)]
+    execute(store, "UPDATE jobs SET last_status = 'cancelled'")  # (what status shows is the row's, not a search)
+    assert newest() == ("cancelled", 3000)
+
+
+def test_checkpoints_outside_a_run_and_json_only(db):
+    async def main():
+        s = make(db)
+        await s.checkpoints.set("export", 1, {"after": [1, 2, 3]})
+        assert await s.checkpoints.get("export", 1) == {"after": [1, 2, 3]}
+        with pytest.raises(TypeError):
+            await s.checkpoints.set("export", 1, object())
+        with pytest.raises(TypeError):
+            await s.checkpoints.set("export", 1, float("nan"))
+        assert await s.checkpoints.get("export", 1) == {"after": [1, 2, 3]}
+        await s.checkpoints.delete("export", 1)
+        assert await s.checkpoints.get("export", 1, default=0) == 0
+
+    run(main())
+
+
+def test_shutdown_is_not_swallowed_by_except_exception(db):
+    seen = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("batch", "24h", offset=QUIET)
+        async def batch(ctx):
+            for _ in range(1000):
+                try:
+                    await ctx.signal.sleep(0.05)
+                except Exception as exc:  # noqa: BLE001 - a loop that logs and carries on
+                    seen.append(exc)
+            seen.append("finished")
+
+        async with s:
+            await s.trigger("batch")
+            await wait_for(lambda: s._loop.runner.running)
+            await s.stop(grace=2)
+        assert seen == [] and [st for _, _, st in await statuses(s)] == ["interrupted"]
+
+    run(main())
+
+
+@pytest.mark.parametrize("escape", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()], ids=type)
+@pytest.mark.parametrize("kind", ["async", "thread"])
+def test_a_handler_raising_a_base_exception_fails_its_attempt_only(db, escape, kind):
+    async def main():
+        s = make(db)
+
+        async def async_handler(ctx):
+            if ctx.attempt == 1:
+                raise escape
+
+        def thread_handler(ctx):
+            if ctx.attempt == 1:
+                raise escape
+
+        handler = async_handler if kind == "async" else thread_handler
+        s.every("escape", "24h", handler, offset=QUIET, retries=1, retry_delay="50ms")
+        async with s:
+            await s.trigger("escape")
+            await wait_for(lambda: has(s, "escape", "succeeded"))
+        assert [st for _, _, st in await statuses(s)] == ["failed", "succeeded"]
+        failed = next(r for r in await s.history("escape") if r.status == "failed")
+        assert type(escape).__name__ in failed.error and "process carried on" in failed.error
+
+    run(main())
+
+
+def test_a_thread_handler_raising_stop_iteration_ends_its_attempt(db):
+    async def main():
+        s = make(db)
+        s.every("empty", "24h", lambda ctx: next(iter([])), offset=QUIET, overlap="skip")
+        async with s:
+            await s.trigger("empty")
+            await wait_for(lambda: has(s, "empty", "failed"), timeout=5)
+            await s.trigger("empty")  # not skipped: the first run is over
+            await wait_for(lambda: has(s, "empty", "failed", 2), timeout=5)
+        records = await s.history("empty")
+        assert [r.status for r in records] == ["failed", "failed"] and "StopIteration" in records[0].error
+
+    run(main())
+
+
+def test_sync_checkpoint_calls_from_an_async_handler_fail_at_once(db):
+    errors = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("wrong-door", "24h", offset=QUIET)
+        async def wrong_door(ctx):
+            for call in (ctx.checkpoint.get_sync, lambda: ctx.checkpoint.set_sync(1), ctx.checkpoint.delete_sync):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+            await ctx.checkpoint.set(2)  # the loop was never blocked
+
+        async with s:
+            slot = await s.trigger("wrong-door")
+            await wait_for(lambda: has(s, "wrong-door", "succeeded"), timeout=5)
+        assert len(errors) == 3 and all("await ctx.checkpoint" in e for e in errors)
+        assert await s.checkpoints.get("wrong-door", slot) == 2
+
+    run(main())
