@@ -183,6 +183,9 @@ def test_status_shows_progress_and_control_from_another_process(store, tmp_path,
         "@scheduler.every('ticker', '1s')\n"
         "async def ticker(ctx):\n"
         "    pass\n"
+        "@scheduler.every('beat', '1s')\n"
+        "async def beat(ctx):\n"
+        "    pass\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "anarchon_lite", "run", "myjobs:scheduler"],
@@ -202,9 +205,11 @@ def test_status_shows_progress_and_control_from_another_process(store, tmp_path,
     assert runs[0]["progress"] == {"done": 3.0, "total": 10.0}
     cli(db, "pause", "ticker")
     assert {j["name"]: j for j in status_jobs(db)}["ticker"]["paused"]
-    time.sleep(1.5)  # a paused job does not run: look at the history after more than one interval
+    # a paused job does not run: while another job of the same process runs three more times
+    # (three looks that would have run it), it records nothing
     count = len(history(db, "ticker"))
-    time.sleep(1.5)
+    beats = len(history(db, "beat"))
+    wait_until(lambda: len(history(db, "beat")) >= beats + 3, what="three more beats")
     assert len(history(db, "ticker")) == count
     cli(db, "resume", "ticker")
     wait_until(lambda: len(history(db, "ticker")) > count, what="ticker to run again")
@@ -216,17 +221,21 @@ def test_status_shows_progress_and_control_from_another_process(store, tmp_path,
 def test_reboot_runs_once_per_start_of_the_group(store, tmp_path, daemons):
     db, out = store, tmp_path / "boot.txt"
     crontab = tmp_path / "crontab"
-    crontab.write_text(f"@reboot echo $ANARCHON_SLOT >> {out}\n")
+    beats = tmp_path / "beats.txt"
+    crontab.write_text(f"@reboot echo $ANARCHON_SLOT >> {out}\n@every 1s echo beat >> {beats}\n")
     first = [daemons.start("--db", db, "crontab", str(crontab)) for _ in range(2)]
     wait_until(lambda: out.exists() and out.read_text().strip(), what="the @reboot entry")
-    wait_until(lambda: len(status_jobs(db)) == 1, what="status")
-    time.sleep(1.0)  # the second process is running too: it must not run the entry again
+    wait_until(lambda: len(json.loads(cli(db, "status", "--json").stdout)["processes"]) == 2, what="both joined")
+    # the second process is running too, and looks (three more beats): it does not run the entry again
+    seen = len(beats.read_text().splitlines()) if beats.exists() else 0
+    wait_until(lambda: beats.exists() and len(beats.read_text().splitlines()) >= seen + 3, what="three more beats")
     assert len(out.read_text().splitlines()) == 1
     daemons.close()
     assert all(p.returncode == 0 for p in first)
     daemons.procs = []
     daemons.start("--db", db, "crontab", str(crontab))  # a new start of the group
     wait_until(lambda: len(out.read_text().splitlines()) == 2, what="the second @reboot")
+    assert len(status_jobs(db)) == 2
 
 
 def test_sighup_rereads_the_file_and_keeps_the_old_table_on_a_bad_edit(store, tmp_path, daemons):

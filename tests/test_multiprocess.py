@@ -171,7 +171,11 @@ def start_all(procs, mode, n, lease=30.0):
 def test_each_occurrence_runs_once_across_processes(procs, n):
     started = start_all(procs, "every", n)
     first = max(e["t"] for e in procs.read() if e["event"] == "ready")
-    time.sleep(3.0)  # the schedule itself is what is under test: six occurrences
+    # the schedule itself is what is under test: six occurrences after every process was ready
+    procs.wait(
+        lambda e: len({r["slot"] for r in procs.read() if r["event"] == "run" and r["slot"] / 1000 > first + 0.5}) >= 6,
+        what="six occurrences",
+    )
     for proc in started:
         proc.send_signal(signal.SIGTERM)
     for proc in started:
