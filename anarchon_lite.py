@@ -41,6 +41,7 @@ lets it continue::
 #   Planning occurrences, Metrics, Talking to systemd          what is due; Prometheus text; sd_notify
 #   The scheduler loop                                         _Loop: join, look, fire, claim, take over
 #   The scheduler                                              Scheduler (the public face) and Control
+#   The status page's server, The status page                  HTTP and tokens; StatusPage's pages
 #   Shell commands in process groups, Crontab files            what ``crontab`` runs, and reads
 #   The command line                                           ``python -m anarchon_lite``
 
@@ -7710,88 +7711,18 @@ class Control:
 
 
 ###############################################################################
-# The status page #############################################################
+# The status page's server ####################################################
 ###############################################################################
 #
-# Every job, every run on a timeline, what runs now, live, in a browser: an HTTP server on the
-# event loop (standard library only), pages without external assets that read without JavaScript,
-# the same data as JSON, and control only when asked for, with a token.
+# HTTP/1.1 on the event loop, one request a connection (standard library only): the token and the
+# session made of it, loopback names, the live stream of changes (server-sent events) that one look
+# serves to every listening page. What the pages show is the next section's.
 
-_WEB_JOBS_A_PAGE = 100
-_WEB_SPANS = {"1h": 3_600_000, "1d": 86_400_000, "1w": 604_800_000}  # the timeline's stretches (ms)
-_WEB_WIDTH = 840  # the timeline's drawing, in pixels (after the names' column)
 _WEB_LIVE = 0.5  # seconds between two looks for a change, while a page listens
 _WEB_COOKIE = "anarchon_session"  # (its value is made from the token: the token itself never leaves)
 _WEB_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{16,}")  # (what a cookie, a header and a URL carry as it is)
 _WEB_NUMBER = re.compile(r"[0-9]{1,9}")
-_WEB_ACTIONS = ("trigger", "pause", "resume", "cancel")
-_WEB_COLOURS = {
-    "succeeded": "#2e9e4f",
-    "failed": "#d63b3b",
-    "timed_out": "#e8891c",
-    "interrupted": "#8e5bd0",
-    "cancelled": "#7d7d7d",
-    "skipped": "#c4c4c4",
-    "missed": "#e3c325",
-    "running": "#2f7fd6",
-    "pending": "#9cc4ee",
-}
 _WEB_STATUS = {404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden"}
-_WEB_STYLE = """
-body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222;background:#fafafa}
-header{background:#263238;color:#fff;padding:.5em 1em;display:flex;gap:1.5em;align-items:baseline;flex-wrap:wrap}
-header a{color:#cfd8dc;text-decoration:none}header a.on{color:#fff;font-weight:600}
-header .store{margin-left:auto;font-size:12px;color:#90a4ae;word-break:break-all}
-main{padding:1em;overflow-x:auto}table{border-collapse:collapse;background:#fff;min-width:60%}
-th,td{padding:.25em .6em;border-bottom:1px solid #e0e0e0;text-align:left;vertical-align:top}
-th{background:#eceff1;font-weight:600}.mark{display:inline-block;width:9px;height:9px;margin-right:2px;border-radius:2px}
-.s{padding:0 .4em;border-radius:3px;color:#fff;font-size:12px;white-space:nowrap}
-pre{white-space:pre-wrap;word-break:break-all;max-width:90ch;margin:.2em 0;font-size:12px;background:#f3f3f3;padding:.4em}
-progress{width:12em}.muted{color:#777}.pages a{margin-right:.8em}form{display:inline}
-button{margin-right:.3em}#live{font-size:12px;color:#90a4ae}
-"""
-_WEB_SCRIPT = """
-(function(){
-function when(t){var d=new Date(t.getAttribute('datetime'));if(!isNaN(d)){t.title=t.textContent;t.textContent=d.toLocaleString();}}
-function times(root){root.querySelectorAll('time[datetime]').forEach(when);}
-function axis(root){root.querySelectorAll('svg text[data-t]').forEach(function(e){var d=new Date(+e.getAttribute('data-t'));
- var hm=d.toLocaleTimeString([],{hour:'2-digit',minute:'2-digit'});e.textContent=e.getAttribute('data-day')?d.toLocaleDateString()+' '+hm:hm;});}
-times(document);axis(document);
-if(!window.EventSource)return;
-var colours=JSON.parse(document.body.getAttribute('data-colours'));
-function cell(tr,text,cls){var td=document.createElement('td');if(cls)td.className=cls;td.textContent=text;tr.appendChild(td);return td;}
-function status(td,s){td.textContent='';var b=document.createElement('span');b.className='s';b.textContent=s;b.style.background=colours[s]||'#555';td.appendChild(b);}
-function stamp(td,iso){if(!iso){td.textContent='-';return;}var t=document.createElement('time');t.setAttribute('datetime',iso);
- t.textContent=new Date(iso).toISOString().replace('T',' ').slice(0,19)+' UTC';td.textContent='';td.appendChild(t);when(t);}
-function progress(td,p){if(!p)return;var g=document.createElement('progress');if(p[1]){g.max=p[1];g.value=Math.min(p[0],p[1]);}td.appendChild(g);
- td.appendChild(document.createTextNode(' '+(p[1]?Math.round(100*Math.min(1,p[0]/p[1]))+'% ('+p[0]+'/'+p[1]+')':p[0]+' done')));}
-function running(rows){var body=document.getElementById('running');if(!body)return;var job=body.getAttribute('data-job');body.textContent='';
- rows.forEach(function(r){if(job&&r.job!==job)return;var tr=document.createElement('tr');tr.setAttribute('data-run',r.job+'/'+r.slot);
- cell(tr,r.job);cell(tr,String(r.attempt));status(cell(tr,''),r.state);cell(tr,r.owner||'-');stamp(cell(tr,''),r.started_at);progress(cell(tr,'','p'),r.progress);body.appendChild(tr);});}
-function recent(records){var body=document.getElementById('recent');var seen={};
- records.forEach(function(r){var row=document.querySelector('tr[data-job="'+CSS.escape(r.job)+'"]');
-  if(row&&!seen[r.job]){seen[r.job]=1;var last=row.querySelector('td.last');if(last){status(last,r.status);}var at=row.querySelector('td.at');if(at)stamp(at,r.started_at||r.scheduled_at);}});
- if(!body)return;var job=body.getAttribute('data-job');var known={};body.querySelectorAll('tr[data-key]').forEach(function(tr){known[tr.getAttribute('data-key')]=tr;});
- records.slice().reverse().forEach(function(r){if(job&&r.job!==job)return;var key=r.job+'/'+r.slot+'/'+r.attempt;var tr=document.createElement('tr');tr.setAttribute('data-key',key);
-  cell(tr,r.job);stamp(cell(tr,''),r.scheduled_at);cell(tr,String(r.attempt));status(cell(tr,''),r.status);cell(tr,r.instance||'-');stamp(cell(tr,''),r.started_at);
-  cell(tr,r.duration==null?'-':r.duration.toFixed(2)+'s');var e=cell(tr,'');if(r.error){var p=document.createElement('pre');p.textContent=r.error;e.appendChild(p);}
-  if(r.output){var d=document.createElement('details'),s=document.createElement('summary'),o=document.createElement('pre');
-   s.textContent='output';o.textContent=r.output;d.appendChild(s);d.appendChild(o);e.appendChild(d);}
-  tr.setAttribute('data-status',r.status);
-  if(known[key]){if(known[key].getAttribute('data-status')!==r.status)body.replaceChild(tr,known[key]);}else{body.insertBefore(tr,body.firstChild);}});}
-var source=new EventSource('/events');
-var live=document.getElementById('live');
-source.onopen=function(){if(live)live.textContent='live';};
-source.onerror=function(){if(live)live.textContent='reconnecting';};
-var drawn=Date.now();
-source.onmessage=function(m){var d=JSON.parse(m.data);running(d.running);recent(d.recent);
- var svg=document.getElementById('timeline');if(!svg||svg.busy||Date.now()-drawn<5000)return;svg.busy=1;drawn=Date.now();
- fetch(location.pathname+location.search+(location.search?'&':'?')+'svg=1').then(function(r){return r.ok?r.text():null;})
- .then(function(t){if(t){svg.innerHTML=t;axis(svg);}svg.busy=0;},function(){svg.busy=0;});};
-})();
-"""
-
-
 # No script runs but the page's own (its nonce), nothing is loaded from elsewhere, no other site frames it.
 _WEB_POLICY = (
     "default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; img-src 'self' data:; "
@@ -7826,14 +7757,19 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _shown_store(path: str) -> str:
-    """Where the state lives, as a page may show it: a URL without its password."""
-    if _is_postgres(path):
-        try:
-            return _PGTarget.parse(path).shown
-        except ConfigError:
-            return "postgresql://…"
-    return path
+def _local(path: str) -> str:
+    """A path of this page, fit for a Location header: one leading slash (``//host`` would leave
+    the page), nothing but ASCII (no line ends: no header of the client's making)."""
+    import urllib.parse
+
+    return "/" + urllib.parse.quote(path.lstrip("/"), safe="/%?=&+:@!$'()*,;-._~")
+
+
+def _web_number(text: str, most: int, option: str) -> int:
+    """A whole number of a query, from 1 to ``most`` (ASCII digits only)."""
+    if not _WEB_NUMBER.fullmatch(text) or not 1 <= int(text) <= most:
+        raise ConfigError(f"{option} must be a whole number from 1 to {most}, got {text[:20]!r}", option=option)
+    return int(text)
 
 
 class _WebRequest(NamedTuple):
@@ -7854,24 +7790,15 @@ class _WebReply(NamedTuple):
     nonce: str = ""  # the page's own script's (no other script runs)
 
 
-class StatusPage:
-    """The status page of a store, served over HTTP: every job, a timeline of runs, what runs now
-    with its progress, a job's history and output, the processes; live in a browser (server-sent
-    events), readable without JavaScript, and the same data as JSON under ``/api/``.
+_Served = TypeVar("_Served", bound="_PageServer")  # (``async with StatusPage(...)`` gives a StatusPage)
 
-    ``scheduler`` is any ``Scheduler`` of the store: a running one (the page lives in that process)
-    or one made only to look (``Scheduler(path, read_only=True)``). The page binds to loopback by
-    default; any other address needs ``token``, which every request must then carry (``?token=``
-    once, kept in a cookie, or ``Authorization: Bearer``). ``control=True`` (also with a token)
-    adds buttons for trigger, pause, resume and cancel, each logged with who asked.
 
-    ``await page.start()`` listens (``page.url`` says where); ``await page.close()`` stops;
-    ``async with StatusPage(scheduler) as page:`` does both.
-    """
+class _PageServer:
+    """The HTTP side of a status page: listening, reading requests, answering them (``_answer``, a
+    subclass's), the token, and the live stream (what ``_live`` tells, looked at every
+    ``_WEB_LIVE`` seconds while a page listens)."""
 
-    def __init__(
-        self, scheduler: Scheduler, listen: str = "127.0.0.1:8080", *, token: str | None = None, control: bool = False
-    ):
+    def __init__(self, listen: str, token: str | None):
         self.host, self.port = _listen_address(listen)
         if token is not None and not _WEB_TOKEN.fullmatch(token):
             raise ConfigError(
@@ -7884,17 +7811,19 @@ class StatusPage:
                 "(--token, or $ANARCHON_WEB_TOKEN)",
                 option="listen",
             )
-        if control and token is None:
-            raise ConfigError("control (trigger, pause, resume, cancel) needs a token", option="control")
-        self.scheduler = scheduler  #: what the page reads (and, with control, changes)
         self._token = token
-        self._control = control
         self._server: asyncio.AbstractServer | None = None
         self._listeners: set[asyncio.Queue[bytes]] = set()  #: the pages listening for changes
         self._watch: asyncio.Task[None] | None = None  #: what looks for changes while a page listens
-        self._status: tuple[float, list[JobStatus]] | None = None  #: the newest status, and when it was read
+        self._last_told = b""  #: what the listening pages were told last
         self._answering: set[asyncio.Task[Any]] = set()  #: the connections being answered
-        self._drawn: dict[str, tuple[float, str]] = {}  #: timelines drawn lately, by their query
+
+    async def _answer(self, request: _WebRequest) -> _WebReply:
+        raise NotImplementedError
+
+    async def _live(self) -> bytes:
+        """What the listening pages are told (when it changes)."""
+        raise NotImplementedError
 
     @property
     def url(self) -> str:
@@ -7932,7 +7861,7 @@ class StatusPage:
         finally:
             await self.close()
 
-    async def __aenter__(self) -> StatusPage:  # noqa: PYI034 - no typing_extensions at run time
+    async def __aenter__(self: _Served) -> _Served:  # noqa: PYI019 - no typing_extensions at run time
         await self.start()
         return self
 
@@ -8054,6 +7983,167 @@ class StatusPage:
         page = f"<!doctype html><meta charset=utf-8><title>{status}</title><p>{_html(text)}</p>"
         return _WebReply(status, page.encode(), headers=headers)
 
+    async def _events(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Server-sent events: what runs now and the newest records, whenever they change. One look
+        every ``_WEB_LIVE`` seconds serves every listening page. A page that left is noticed at once
+        (its end of the connection closes), and one gone without a word by a comment every 15 s."""
+        head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n\r\nretry: 2000\n\n"
+        writer.write(head.encode())
+        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=8)
+        self._listeners.add(queue)
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.ensure_future(self._look())
+        elif self._last_told:
+            queue.put_nowait(self._last_told)
+        gone = asyncio.ensure_future(reader.read(1))  # (a page sends nothing more: this ends when it leaves)
+        told: asyncio.Future[bytes] | None = None
+        try:
+            while not gone.done():
+                told = told or asyncio.ensure_future(queue.get())
+                await asyncio.wait((told, gone), timeout=15.0, return_when=asyncio.FIRST_COMPLETED)
+                if not told.done():
+                    writer.write(b": still here\n\n")
+                elif told.result():
+                    writer.write(b"data: " + told.result() + b"\n\n")
+                    told = None
+                else:
+                    return  # (the page is closing)
+                await writer.drain()
+        finally:
+            self._listeners.discard(queue)
+            for future in (told, gone):
+                if future is not None:
+                    future.cancel()
+
+    async def _look(self) -> None:
+        while self._listeners:
+            try:
+                told = await self._live()
+            except StoreError as exc:
+                _log.warning("status page: %s", exc)
+                told = b""
+            if told and told != self._last_told:
+                self._last_told = told
+                for queue in list(self._listeners):
+                    with contextlib.suppress(asyncio.QueueFull):
+                        queue.put_nowait(told)
+            await asyncio.sleep(_WEB_LIVE)
+
+
+###############################################################################
+# The status page #############################################################
+###############################################################################
+#
+# Every job, every run on a timeline, what runs now, live, in a browser: an HTTP server on the
+# event loop (standard library only), pages without external assets that read without JavaScript,
+# the same data as JSON, and control only when asked for, with a token.
+
+_WEB_JOBS_A_PAGE = 100
+_WEB_SPANS = {"1h": 3_600_000, "1d": 86_400_000, "1w": 604_800_000}  # the timeline's stretches (ms)
+_WEB_WIDTH = 840  # the timeline's drawing, in pixels (after the names' column)
+_WEB_ACTIONS = ("trigger", "pause", "resume", "cancel")
+_WEB_COLOURS = {
+    "succeeded": "#2e9e4f",
+    "failed": "#d63b3b",
+    "timed_out": "#e8891c",
+    "interrupted": "#8e5bd0",
+    "cancelled": "#7d7d7d",
+    "skipped": "#c4c4c4",
+    "missed": "#e3c325",
+    "running": "#2f7fd6",
+    "pending": "#9cc4ee",
+}
+_WEB_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#263238;color:#fff;padding:.5em 1em;display:flex;gap:1.5em;align-items:baseline;flex-wrap:wrap}
+header a{color:#cfd8dc;text-decoration:none}header a.on{color:#fff;font-weight:600}
+header .store{margin-left:auto;font-size:12px;color:#90a4ae;word-break:break-all}
+main{padding:1em;overflow-x:auto}table{border-collapse:collapse;background:#fff;min-width:60%}
+th,td{padding:.25em .6em;border-bottom:1px solid #e0e0e0;text-align:left;vertical-align:top}
+th{background:#eceff1;font-weight:600}.mark{display:inline-block;width:9px;height:9px;margin-right:2px;border-radius:2px}
+.s{padding:0 .4em;border-radius:3px;color:#fff;font-size:12px;white-space:nowrap}
+pre{white-space:pre-wrap;word-break:break-all;max-width:90ch;margin:.2em 0;font-size:12px;background:#f3f3f3;padding:.4em}
+progress{width:12em}.muted{color:#777}.pages a{margin-right:.8em}form{display:inline}
+button{margin-right:.3em}#live{font-size:12px;color:#90a4ae}
+"""
+_WEB_SCRIPT = """
+(function(){
+function when(t){var d=new Date(t.getAttribute('datetime'));if(!isNaN(d)){t.title=t.textContent;t.textContent=d.toLocaleString();}}
+function times(root){root.querySelectorAll('time[datetime]').forEach(when);}
+function axis(root){root.querySelectorAll('svg text[data-t]').forEach(function(e){var d=new Date(+e.getAttribute('data-t'));
+ var hm=d.toLocaleTimeString([],{hour:'2-digit',minute:'2-digit'});e.textContent=e.getAttribute('data-day')?d.toLocaleDateString()+' '+hm:hm;});}
+times(document);axis(document);
+if(!window.EventSource)return;
+var colours=JSON.parse(document.body.getAttribute('data-colours'));
+function cell(tr,text,cls){var td=document.createElement('td');if(cls)td.className=cls;td.textContent=text;tr.appendChild(td);return td;}
+function status(td,s){td.textContent='';var b=document.createElement('span');b.className='s';b.textContent=s;b.style.background=colours[s]||'#555';td.appendChild(b);}
+function stamp(td,iso){if(!iso){td.textContent='-';return;}var t=document.createElement('time');t.setAttribute('datetime',iso);
+ t.textContent=new Date(iso).toISOString().replace('T',' ').slice(0,19)+' UTC';td.textContent='';td.appendChild(t);when(t);}
+function progress(td,p){if(!p)return;var g=document.createElement('progress');if(p[1]){g.max=p[1];g.value=Math.min(p[0],p[1]);}td.appendChild(g);
+ td.appendChild(document.createTextNode(' '+(p[1]?Math.round(100*Math.min(1,p[0]/p[1]))+'% ('+p[0]+'/'+p[1]+')':p[0]+' done')));}
+function running(rows){var body=document.getElementById('running');if(!body)return;var job=body.getAttribute('data-job');body.textContent='';
+ rows.forEach(function(r){if(job&&r.job!==job)return;var tr=document.createElement('tr');tr.setAttribute('data-run',r.job+'/'+r.slot);
+ cell(tr,r.job);cell(tr,String(r.attempt));status(cell(tr,''),r.state);cell(tr,r.owner||'-');stamp(cell(tr,''),r.started_at);progress(cell(tr,'','p'),r.progress);body.appendChild(tr);});}
+function recent(records){var body=document.getElementById('recent');var seen={};
+ records.forEach(function(r){var row=document.querySelector('tr[data-job="'+CSS.escape(r.job)+'"]');
+  if(row&&!seen[r.job]){seen[r.job]=1;var last=row.querySelector('td.last');if(last){status(last,r.status);}var at=row.querySelector('td.at');if(at)stamp(at,r.started_at||r.scheduled_at);}});
+ if(!body)return;var job=body.getAttribute('data-job');var known={};body.querySelectorAll('tr[data-key]').forEach(function(tr){known[tr.getAttribute('data-key')]=tr;});
+ records.slice().reverse().forEach(function(r){if(job&&r.job!==job)return;var key=r.job+'/'+r.slot+'/'+r.attempt;var tr=document.createElement('tr');tr.setAttribute('data-key',key);
+  cell(tr,r.job);stamp(cell(tr,''),r.scheduled_at);cell(tr,String(r.attempt));status(cell(tr,''),r.status);cell(tr,r.instance||'-');stamp(cell(tr,''),r.started_at);
+  cell(tr,r.duration==null?'-':r.duration.toFixed(2)+'s');var e=cell(tr,'');if(r.error){var p=document.createElement('pre');p.textContent=r.error;e.appendChild(p);}
+  if(r.output){var d=document.createElement('details'),s=document.createElement('summary'),o=document.createElement('pre');
+   s.textContent='output';o.textContent=r.output;d.appendChild(s);d.appendChild(o);e.appendChild(d);}
+  tr.setAttribute('data-status',r.status);
+  if(known[key]){if(known[key].getAttribute('data-status')!==r.status)body.replaceChild(tr,known[key]);}else{body.insertBefore(tr,body.firstChild);}});}
+var source=new EventSource('/events');
+var live=document.getElementById('live');
+source.onopen=function(){if(live)live.textContent='live';};
+source.onerror=function(){if(live)live.textContent='reconnecting';};
+var drawn=Date.now();
+source.onmessage=function(m){var d=JSON.parse(m.data);running(d.running);recent(d.recent);
+ var svg=document.getElementById('timeline');if(!svg||svg.busy||Date.now()-drawn<5000)return;svg.busy=1;drawn=Date.now();
+ fetch(location.pathname+location.search+(location.search?'&':'?')+'svg=1').then(function(r){return r.ok?r.text():null;})
+ .then(function(t){if(t){svg.innerHTML=t;axis(svg);}svg.busy=0;},function(){svg.busy=0;});};
+})();
+"""
+
+
+def _shown_store(path: str) -> str:
+    """Where the state lives, as a page may show it: a URL without its password."""
+    if _is_postgres(path):
+        try:
+            return _PGTarget.parse(path).shown
+        except ConfigError:
+            return "postgresql://…"
+    return path
+
+
+class StatusPage(_PageServer):
+    """The status page of a store, served over HTTP: every job, a timeline of runs, what runs now
+    with its progress, a job's history and output, the processes; live in a browser (server-sent
+    events), readable without JavaScript, and the same data as JSON under ``/api/``.
+
+    ``scheduler`` is any ``Scheduler`` of the store: a running one (the page lives in that process)
+    or one made only to look (``Scheduler(path, read_only=True)``). The page binds to loopback by
+    default; any other address needs ``token``, which every request must then carry (``?token=``
+    once, kept in a cookie, or ``Authorization: Bearer``). ``control=True`` (also with a token)
+    adds buttons for trigger, pause, resume and cancel, each logged with who asked.
+
+    ``await page.start()`` listens (``page.url`` says where); ``await page.close()`` stops;
+    ``async with StatusPage(scheduler) as page:`` does both.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, listen: str = "127.0.0.1:8080", *, token: str | None = None, control: bool = False
+    ):
+        super().__init__(listen, token)
+        if control and token is None:
+            raise ConfigError("control (trigger, pause, resume, cancel) needs a token", option="control")
+        self.scheduler = scheduler  #: what the page reads (and, with control, changes)
+        self._control = control
+        self._status: tuple[float, list[JobStatus]] | None = None  #: the newest status, and when it was read
+        self._drawn: dict[str, tuple[float, str]] = {}  #: timelines drawn lately, by their query
+
     async def _answer(self, request: _WebRequest) -> _WebReply:
         refused = self._allowed(request)
         if refused is not None:
@@ -8111,54 +8201,6 @@ class StatusPage:
             "recent": [_web_record_json(r) for r in recent],
         }
         return json.dumps(shown, separators=(",", ":")).encode()
-
-    async def _events(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Server-sent events: what runs now and the newest records, whenever they change. One look
-        every ``_WEB_LIVE`` seconds serves every listening page. A page that left is noticed at once
-        (its end of the connection closes), and one gone without a word by a comment every 15 s."""
-        head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\n\r\nretry: 2000\n\n"
-        writer.write(head.encode())
-        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=8)
-        self._listeners.add(queue)
-        if self._watch is None or self._watch.done():
-            self._watch = asyncio.ensure_future(self._look())
-        elif self._last_told:
-            queue.put_nowait(self._last_told)
-        gone = asyncio.ensure_future(reader.read(1))  # (a page sends nothing more: this ends when it leaves)
-        told: asyncio.Future[bytes] | None = None
-        try:
-            while not gone.done():
-                told = told or asyncio.ensure_future(queue.get())
-                await asyncio.wait((told, gone), timeout=15.0, return_when=asyncio.FIRST_COMPLETED)
-                if not told.done():
-                    writer.write(b": still here\n\n")
-                elif told.result():
-                    writer.write(b"data: " + told.result() + b"\n\n")
-                    told = None
-                else:
-                    return  # (the page is closing)
-                await writer.drain()
-        finally:
-            self._listeners.discard(queue)
-            for future in (told, gone):
-                if future is not None:
-                    future.cancel()
-
-    _last_told = b""
-
-    async def _look(self) -> None:
-        while self._listeners:
-            try:
-                told = await self._live()
-            except StoreError as exc:
-                _log.warning("status page: %s", exc)
-                told = b""
-            if told and told != self._last_told:
-                self._last_told = told
-                for queue in list(self._listeners):
-                    with contextlib.suppress(asyncio.QueueFull):
-                        queue.put_nowait(told)
-            await asyncio.sleep(_WEB_LIVE)
 
     async def _act(self, request: _WebRequest) -> _WebReply:
         """A button's form (``job``, ``action``, ``csrf``): trigger, pause, resume or cancel a job."""
@@ -8420,21 +8462,6 @@ def _job_href(name: str) -> str:
     if name in (".", ".."):
         return "/job?" + urllib.parse.urlencode({"name": name})
     return "/job/" + urllib.parse.quote(name, safe="")
-
-
-def _local(path: str) -> str:
-    """A path of this page, fit for a Location header: one leading slash (``//host`` would leave
-    the page), nothing but ASCII (no line ends: no header of the client's making)."""
-    import urllib.parse
-
-    return "/" + urllib.parse.quote(path.lstrip("/"), safe="/%?=&+:@!$'()*,;-._~")
-
-
-def _web_number(text: str, most: int, option: str) -> int:
-    """A whole number of a query, from 1 to ``most`` (ASCII digits only)."""
-    if not _WEB_NUMBER.fullmatch(text) or not 1 <= int(text) <= most:
-        raise ConfigError(f"{option} must be a whole number from 1 to {most}, got {text[:20]!r}", option=option)
-    return int(text)
 
 
 def _web_time(moment: _dt.datetime | None) -> str:
