@@ -33,6 +33,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _history  # (this folder is on the path: the script's own)
+
 from anarchon_lite import Scheduler
 
 MODE, DB, COUNT = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -144,23 +146,7 @@ async def history(per_job: int) -> dict[str, Any]:
     now = int(time.time() * 1000)
     conn = sqlite3.connect(DB, isolation_level=None)
     conn.execute("BEGIN")
-    conn.executemany(
-        "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
-        "VALUES (?, ?, 1, ?, 'bench', ?, ?, ?)",
-        (
-            (
-                f"job-{i}",
-                slot,
-                "failed" if k % 10 == 0 else "succeeded",
-                slot,
-                slot + 100,
-                "boom" if k % 10 == 0 else None,
-            )
-            for k in range(per_job)
-            for i in range(COUNT)
-            for slot in [now - (per_job - k) * 3_600_000 - i]
-        ),
-    )
+    conn.executemany(_history.INSERT, _history.hourly(COUNT, per_job, now))
     conn.execute("COMMIT")
     rows = conn.execute("SELECT count(*) FROM history").fetchone()[0]
     conn.close()

@@ -26,6 +26,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+import _history  # (this folder is on the path: the script's own)
+
 from anarchon_lite import Scheduler, StatusPage
 
 FOLDER, SECONDS = sys.argv[1], float(sys.argv[2])
@@ -47,28 +49,9 @@ def fill() -> int:
     now = int(time.time() * 1000)
     conn = sqlite3.connect(DB, isolation_level=None)
     conn.execute("BEGIN")
-    insert = (
-        "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
-        "VALUES (?, ?, 1, ?, 'bench', ?, ?, ?)"
-    )
-    conn.executemany(
-        insert,
-        (
-            (
-                f"job-{i}",
-                slot,
-                "failed" if k % 10 == 0 else "succeeded",
-                slot,
-                slot + 100,
-                "boom" if k % 10 == 0 else None,
-            )
-            for k in range(PER_JOB)
-            for i in range(JOBS)
-            for slot in [now - (PER_JOB - k) * 3_600_000 - i]
-        ),
-    )
+    conn.executemany(_history.INSERT, _history.hourly(JOBS, PER_JOB, now))
     seconds = ((now // 1000 - DAY + k) * 1000 for k in range(DAY))
-    conn.executemany(insert, (("second", slot, "succeeded", slot, slot + 20, None) for slot in seconds))
+    conn.executemany(_history.INSERT, (("second", slot, "succeeded", slot, slot + 20, None) for slot in seconds))
     conn.execute("COMMIT")
     rows = conn.execute("SELECT count(*) FROM history").fetchone()[0]
     conn.close()
