@@ -8126,8 +8126,8 @@ class StatusPage(_PageServer):
     ``scheduler`` is any ``Scheduler`` of the store: a running one (the page lives in that process)
     or one made only to look (``Scheduler(path, read_only=True)``). The page binds to loopback by
     default; any other address needs ``token``, which every request must then carry (``?token=``
-    once, kept in a cookie, or ``Authorization: Bearer``). ``control=True`` (also with a token)
-    adds buttons for trigger, pause, resume and cancel, each logged with who asked.
+    once, then a session cookie made of it; or ``Authorization: Bearer``). ``control=True`` (also
+    with a token) adds buttons for trigger, pause, resume and cancel, each logged with who asked.
 
     ``await page.start()`` listens (``page.url`` says where); ``await page.close()`` stops;
     ``async with StatusPage(scheduler) as page:`` does both.
