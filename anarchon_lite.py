@@ -560,6 +560,15 @@ class _Schedule:
     def next_after(self, after_ms: int) -> int | None:
         raise NotImplementedError
 
+    def following(self, after_ms: int, count: int) -> list[_dt.datetime]:
+        """The next ``count`` occurrences strictly after ``after_ms`` (fewer if the schedule ends), in UTC."""
+        found: list[_dt.datetime] = []
+        cursor = self.next_after(after_ms)
+        while cursor is not None and len(found) < count:
+            found.append(_utc_from_ms(cursor))
+            cursor = self.next_after(cursor)
+        return found
+
 
 class _Every(_Schedule):
     def __init__(self, interval: float, offset: float):
@@ -7416,14 +7425,7 @@ class Scheduler:
             cursor = _ms(self._clock.time())
         else:  # a naive datetime is taken as UTC, like every datetime this module returns
             cursor = _ms_from_dt(after if after.tzinfo else after.replace(tzinfo=_UTC))
-        found = []
-        for _ in range(count):
-            following = job.schedule.next_after(cursor)
-            if following is None:
-                break
-            found.append(_utc_from_ms(following))
-            cursor = following
-        return found
+        return job.schedule.following(cursor, count)
 
     # -- control from any process ----------------------------------------------------------------
 
@@ -8493,16 +8495,16 @@ def _web_upcoming(job: JobStatus, count: int = 5) -> list[_dt.datetime]:
     if job.paused or job.undeclared:
         return []
     try:
-        schedule = _schedule_from(job.schedule, job.name)
+        return _schedule_from(job.schedule, job.name).following(_ms(time.time()), count)
     except ConfigError:
         return [job.next_at] if job.next_at else []
-    times: list[_dt.datetime] = []
-    cursor: int | None = _ms(time.time())
-    while len(times) < count and cursor is not None:
-        cursor = schedule.next_after(cursor)
-        if cursor is not None:
-            times.append(_utc_from_ms(cursor))
-    return times
+
+
+def _took(record: RunRecord) -> float | None:
+    """How long a record's attempt took, in seconds (None while it runs, or for one that never ran)."""
+    if record.started_at is None or record.finished_at is None:
+        return None
+    return (record.finished_at - record.started_at).total_seconds()
 
 
 def _running_json(run: RunInfo) -> dict[str, Any]:
@@ -8511,12 +8513,9 @@ def _running_json(run: RunInfo) -> dict[str, Any]:
 
 def _web_record_json(record: RunRecord) -> dict[str, Any]:
     """A record as the live pages take it: as ``history --json``, with its duration, the output's tail."""
-    duration = None
-    if record.started_at and record.finished_at:
-        duration = (record.finished_at - record.started_at).total_seconds()
     fields = _record_json(record)
     fields["output"] = None if record.output is None else record.output[-1000:]
-    return {**fields, "duration": duration}
+    return {**fields, "duration": _took(record)}
 
 
 def _running_table(running: list[RunInfo], job: str = "") -> str:
@@ -8536,9 +8535,8 @@ def _records_table(records: list[RunRecord], job: str | None = "") -> str:
     or not at all with None (a page of older records)."""
     rows = []
     for r in records:
-        duration = "-"
-        if r.started_at and r.finished_at:
-            duration = f"{(r.finished_at - r.started_at).total_seconds():.2f}s"
+        took = _took(r)
+        duration = "-" if took is None else f"{took:.2f}s"
         error = f"<pre>{_html(r.error)}</pre>" if r.error else ""
         output = f"<details><summary>output</summary><pre>{_html(r.output[-1000:])}</pre></details>" if r.output else ""
         rows.append(
@@ -9371,9 +9369,8 @@ def _print_history(records: list[RunRecord], as_json: bool) -> None:
         last = _terminal((r.output or "").rstrip("\n").rsplit("\n", 1)[-1][:60])
         shown = error if not last else f"{error}  | {last}" if error else f"| {last}"
         at = r.scheduled_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        took = "-"
-        if r.started_at is not None and r.finished_at is not None:
-            took = _elapsed((r.finished_at - r.started_at).total_seconds())
+        seconds = _took(r)
+        took = "-" if seconds is None else _elapsed(seconds)
         instance = _terminal(r.instance or "-")
         print(f"{r.job:<24} {at:<24} {r.attempt:>3} {r.status:<11} {took:>9} {instance:<28} {shown}")
 
@@ -9385,9 +9382,8 @@ def _print_records(records: list[RunRecord], as_json: bool) -> None:
         print(json.dumps([_record_json(r) for r in records], indent=2))
         return
     for number, r in enumerate(records):
-        took = "-"
-        if r.started_at is not None and r.finished_at is not None:
-            took = _elapsed((r.finished_at - r.started_at).total_seconds())
+        seconds = _took(r)
+        took = "-" if seconds is None else _elapsed(seconds)
         print(
             ("\n" if number else "") + f"{r.job}  slot {r.slot} ({r.scheduled_at.isoformat(timespec='milliseconds')})"
         )
@@ -9452,13 +9448,7 @@ def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> 
         except ConfigError as exc:  # (that job's alone: say why, and list the others)
             print(f"anarchon-lite: {exc}", file=sys.stderr)
             continue
-        times: list[_dt.datetime] = []
-        cursor: int | None = _ms(now)
-        while len(times) < count and cursor is not None:
-            cursor = schedule.next_after(cursor)
-            if cursor is not None:
-                times.append(_utc_from_ms(cursor))
-        shown.append((job, times))
+        shown.append((job, schedule.following(_ms(now), count)))
     if as_json:
         print(json.dumps([{"name": j.name, "state": j.state, "next": [t.isoformat() for t in ts]} for j, ts in shown]))
         return

@@ -14,7 +14,7 @@ import urllib.parse
 
 import pytest
 from conftest import stop_processes
-from test_cli import ENV, ROOT, anarchon, cli, wait_until
+from test_cli import ENV, ROOT, anarchon, cli, history, status_jobs, wait_until
 
 APP = os.path.join(ROOT, "tests", "webapp.py")
 ODD = ('a/b "<i>x</i>"', "..", ".", "é✓日本")  # (webapp.py's)
@@ -80,10 +80,6 @@ def declared(store):
     return {job["name"] for job in json.loads(done.stdout)["jobs"]} if done.returncode == 0 else set()
 
 
-def records(store, job):
-    return json.loads(cli(store, "history", "--json", "--job", job).stdout)
-
-
 @pytest.fixture
 def app(store, tmp_path):
     """A scheduler process running the jobs of ``webapp.py`` on the test's store."""
@@ -106,7 +102,7 @@ def web(app):
 
 
 def ended(store, job):
-    return [r for r in records(store, job) if r["status"] != "running"]
+    return [r for r in history(store, job) if r["status"] != "running"]
 
 
 # -- over HTTP ----------------------------------------------------------------------------------
@@ -132,7 +128,7 @@ def test_the_pages_show_every_job_and_run_and_stored_markup_only_as_text(web, ap
     assert [j["name"] for j in status["jobs"]] == [j["name"] for j in command["jobs"]]
     assert set(status["jobs"][0]) == set(command["jobs"][0])
     assert status["processes"] == command["processes"]
-    assert json.loads(web.get("/api/history?job=fail")) == records(app, "fail")
+    assert json.loads(web.get("/api/history?job=fail")) == history(app, "fail")
     assert any(s["job"] == "fail" and s["status"] == "failed" for s in json.loads(web.get("/api/timeline?span=1d")))
 
 
@@ -205,7 +201,7 @@ def test_an_address_off_loopback_needs_a_token_and_every_request_then_carries_it
 
 
 def paused(store, job):
-    return next(j for j in json.loads(cli(store, "status", "--json").stdout)["jobs"] if j["name"] == job)["paused"]
+    return {j["name"]: j for j in status_jobs(store)}[job]["paused"]
 
 
 def test_control_needs_the_token_and_the_forms_token_and_is_logged(app):
@@ -231,7 +227,7 @@ def test_control_needs_the_token_and_the_forms_token_and_is_logged(app):
         assert status == 303 and headers["Location"] == "/job?name=..", headers
         assert paused(app, "..")
         assert post("work", "trigger")[0] == 303
-        wait_until(lambda: records(app, "work"), what="the triggered run")
+        wait_until(lambda: history(app, "work"), what="the triggered run")
     finally:
         page.close()
     assert "status page: pause 'tick', asked from 127.0.0.1" in page.log
