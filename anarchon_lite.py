@@ -86,6 +86,7 @@ from typing import (
     Callable,
     Literal,
     NamedTuple,
+    TypedDict,
     TypeVar,
     Union,
     cast,
@@ -97,6 +98,7 @@ if TYPE_CHECKING:  # imported when needed: dateutil for rrule schedules, argpars
 
     from dateutil import rrule as _rrule
     from dateutil.relativedelta import relativedelta
+    from typing_extensions import Unpack  # (for type checkers only: typing has it from Python 3.11)
 
 __version__ = "0.1.0"
 
@@ -114,6 +116,7 @@ __all__ = [
     "CrontabError",
     "HandlerEscaped",
     "JobNotFound",
+    "JobOptions",
     "JobStatus",
     "LeaseLost",
     "ProcessInfo",
@@ -137,9 +140,28 @@ __all__ = [
 _log = logging.getLogger("anarchon_lite")
 _UTC = _dt.timezone.utc
 T = TypeVar("T")
-Handler = Callable[["RunContext"], Any]
-H = TypeVar("H", bound=Callable[..., Any])  # a handler, as declared: the decorators give it back unchanged
+Handler = Callable[["RunContext"], Any]  # a job's handler: given the run's context; async or not
+H = TypeVar("H", bound=Handler)  # a handler, as declared: the decorators give it back unchanged
 DurationLike = Union[int, float, _dt.timedelta, str]
+PathLike = Union[str, "os.PathLike[str]"]
+Zone = Union[None, str, _dt.tzinfo]  # an IANA name or a tzinfo; None: the local zone
+When = Union[_dt.datetime, str, int, float]  # a one-shot job's time: see ``Scheduler.at``
+
+
+class JobOptions(TypedDict, total=False):
+    """The options every kind of job takes, as keywords (the README's table says what each does):
+    a type checker refuses a misspelt one."""
+
+    timeout: DurationLike | None
+    overlap: Literal["skip", "allow"]
+    lease: DurationLike
+    retries: int
+    retry_delay: DurationLike
+    max_attempts: int
+    grace: DurationLike
+    catch_up: DurationLike | None
+
+
 _Telling = Union[bool, Callable[[T], bool]]  # whether a write tells the others: always, or by its result
 
 
@@ -560,6 +582,10 @@ class _Schedule:
     def next_after(self, after_ms: int) -> int | None:
         raise NotImplementedError
 
+    def start(self, now_ms: int) -> int:
+        """The watermark of a job new to the store, declared at ``now_ms``: its occurrences come after it."""
+        return now_ms
+
     def following(self, after_ms: int, count: int) -> list[_dt.datetime]:
         """The next ``count`` occurrences strictly after ``after_ms`` (fewer if the schedule ends), in UTC."""
         found: list[_dt.datetime] = []
@@ -591,6 +617,41 @@ class _OnStart(_Schedule):
 
     def next_after(self, after_ms: int) -> int | None:
         return None
+
+
+class _At(_Schedule):
+    """One occurrence, at ``when`` (ms), and then none: a one-shot job. A job new to the store
+    starts just before it when it is already past, so that it is found late and recorded (run if on
+    time or within ``catch_up``, else ``missed``), never silently dropped."""
+
+    def __init__(self, when: int):
+        self.when = when
+        self.description = f"at {_utc_from_ms(when).isoformat(timespec='milliseconds').replace('+00:00', 'Z')}"
+
+    def next_after(self, after_ms: int) -> int | None:
+        return self.when if after_ms < self.when else None
+
+    def start(self, now_ms: int) -> int:
+        return min(now_ms, self.when - 1)
+
+
+def _at_time(when: object, zone: _dt.tzinfo, job: str) -> int:
+    """A one-shot job's time as ms: an aware ``datetime``, a naive one or an ISO 8601 string in
+    ``zone`` (so ``at("x", "2026-12-24 18:00")`` is 18:00 where the job's ``tz`` says), or Unix
+    epoch seconds."""
+    moment = when
+    if isinstance(when, str):
+        try:
+            moment = _dt.datetime.fromisoformat(when.strip().replace("Z", "+00:00"))
+        except ValueError:
+            raise ConfigError(
+                f"must be an ISO 8601 time such as '2026-12-24T18:00', not {when!r}", job=job, option="when"
+            ) from None
+    if isinstance(moment, _dt.datetime):
+        return _ms_from_dt(moment if moment.tzinfo else moment.replace(tzinfo=zone))
+    if isinstance(moment, (int, float)) and not isinstance(moment, bool) and math.isfinite(moment):
+        return _ms(moment)
+    raise ConfigError(f"must be a datetime, an ISO 8601 string or epoch seconds, not {when!r}", job=job, option="when")
 
 
 def _local_zone() -> _dt.tzinfo:
@@ -1888,6 +1949,8 @@ _SQL_REGISTER = (
     "ON CONFLICT (name) DO UPDATE SET "
     # (``next_slot`` is always the first occurrence after ``last_slot``, or NULL: unknown)
     "next_slot = CASE WHEN jobs.schedule != excluded.schedule THEN NULL ELSE jobs.next_slot END, "
+    # (a schedule changed: its occurrences start after the watermark ``register`` gives, now)
+    "last_slot = CASE WHEN jobs.schedule != excluded.schedule THEN excluded.last_slot ELSE jobs.last_slot END, "
     "changed = excluded.changed, "
     "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
 )
@@ -2262,6 +2325,8 @@ class _SQLStore(_Store):
         def work(conn: Any) -> list[_JobRow]:
             before = {row.name: row for row in map(_job_row, conn.execute(_SQL_ALL_JOBS))}
             # Only what is new or declared otherwise is written: a restart of 10,000 jobs writes nothing.
+            # A job given another schedule goes on from now (or from its watermark, if later): the
+            # occurrences the new schedule would have had before are not missed, they never were.
             # (one change number for the whole transaction: a reader sees all of its rows or none)
             changed = int(conn.execute(f"SELECT {_SQL_NEXT_CHANGE}").fetchone()[0])
             fresh = []
@@ -2272,7 +2337,7 @@ class _SQLStore(_Store):
                         {
                             "name": job.name,
                             "schedule": job.schedule,
-                            "last_slot": job.last_slot,
+                            "last_slot": job.last_slot if row is None else max(row.last_slot, job.last_slot),
                             "next_slot": _first_slot(job) if row is None else None,
                             "definition": job.definition,
                             "declared_by": job.declared_by,
@@ -5381,6 +5446,17 @@ class _Job:
         return cached[1]
 
 
+def _every(name: str, interval: DurationLike, offset: DurationLike) -> _Every:
+    seconds = parse_duration(interval, job=name, option="interval")
+    return _Every(seconds, parse_duration(offset, job=name, option="offset", allow_zero=True))
+
+
+def _cron(name: str, expr: str, tz: Zone) -> _Cron:
+    if not isinstance(expr, str):
+        raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
+    return _Cron(expr, _zone(tz, name), name)
+
+
 def _is_async(function: Handler) -> bool:
     """Whether calling ``function`` returns a coroutine (async functions, partials of them, and
     objects whose ``__call__`` is async)."""
@@ -5411,16 +5487,23 @@ _DISPUTES_TOLD = 3  # jobs declared differently elsewhere that a look names one 
 
 
 class _Declarations:
-    """The jobs this process declares: what ``every``, ``cron`` and ``rrule`` add, what a reload
+    """The jobs this process declares: what ``every``, ``cron``, ``rrule`` and ``at`` add (before
+    the scheduler runs or while it does), what ``remove`` and ``reschedule`` change, what a reload
     puts in their place, the rows the store records for them, and the warnings when another process
     declares one of them otherwise. The store link records them before its next call whenever
-    ``version`` has moved since it last did."""
+    ``version`` has moved since it last did.
+
+    While the scheduler serves (``live``), ``jobs`` is never changed in place but replaced by a
+    changed copy: the loop and the store's thread may be going through it, on other threads than
+    the one that declares, and each sees one whole set of jobs. ``changed`` then tells the loop."""
 
     def __init__(self, instance: str, clock: Clock):
         self.instance = instance  #: the process that declares them
         self._clock = clock
         self.jobs: dict[str, _Job] = {}  #: the jobs declared in this process, by name
         self.version = 0  #: one more after each change of ``jobs``: the store records them again
+        self.live = False  #: the scheduler serves: change ``jobs`` by replacing it, and call ``changed``
+        self.changed: Callable[[], None] | None = None  #: tells the serving loop (from any thread)
         self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
 
     def declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
@@ -5438,8 +5521,7 @@ class _Declarations:
                 raise ConfigError(f"handler must be callable, not {function!r}", job=name)
             if name in self.jobs:
                 raise ConfigError("a job with this name is already declared", job=name)
-            self.jobs[name] = _Job(name, schedule, function, options, _is_async(function))
-            self.version += 1
+            self._put(name, _Job(name, schedule, function, options, _is_async(function)))
             return function
 
         return register if handler is None else register(handler)
@@ -5451,10 +5533,32 @@ class _Declarations:
             raise JobNotFound("no such job is declared", job=name)
         return job
 
+    def remove(self, name: str) -> None:
+        """Stop declaring job ``name`` (``JobNotFound`` if this process does not)."""
+        self.job(name)
+        self._put(name, None)
+
+    def reschedule(self, name: str, schedule: _Schedule) -> None:
+        """Give job ``name`` another schedule, with its handler and options."""
+        job = self.job(name)
+        self._put(name, _Job(name, schedule, job.handler, job.options, job.is_async))
+
+    def _put(self, name: str, job: _Job | None) -> None:
+        """Declare ``job`` as ``name`` (None: remove it), and have it recorded."""
+        jobs = dict(self.jobs) if self.live else self.jobs
+        if job is None:
+            del jobs[name]
+        else:
+            jobs[name] = job
+        self.replace(jobs)
+
     def replace(self, jobs: dict[str, _Job]) -> None:
         """Declare ``jobs`` instead of the current ones (a crontab read again)."""
         self.jobs = jobs
         self.version += 1
+        changed = self.changed
+        if changed is not None:
+            changed()
 
     def agree_on(self, name: str, text: str) -> None:
         """Make ``text`` part of what every process must declare alike for job ``name``."""
@@ -5464,10 +5568,17 @@ class _Declarations:
 
     def rows(self, now: int) -> list[_Declared]:
         """The declarations as the store records them (a job new to the store starts at ``now``,
-        and its next occurrence after now). Called on the store's thread."""
+        and its next occurrence after now; a one-shot job already due, just before it). Called on
+        the store's thread."""
         return [
             _Declared(
-                job.name, job.schedule.description, now, None, job.definition, self.instance, job.schedule.next_after
+                job.name,
+                job.schedule.description,
+                job.schedule.start(now),
+                None,
+                job.definition,
+                self.instance,
+                job.schedule.next_after,
             )
             for job in self.jobs.values()
         ]
@@ -5480,6 +5591,8 @@ class _Declarations:
         for row in rows:
             job = self.jobs.get(row.name)
             if job is None or row.definition in (None, job.definition) or (row.name, row.definition) in self._disputes:
+                continue
+            if row.declared_by == self.instance:  # (this process declared it otherwise before: rescheduled)
                 continue
             self._disputes.add((row.name, row.definition))
             disputed.append((row, job))
@@ -5799,8 +5912,14 @@ class JobStatus:
 
     @property
     def state(self) -> str:
-        """``undeclared``, ``paused`` or ``active``."""
-        return "undeclared" if self.undeclared else "paused" if self.paused else "active"
+        """``undeclared``, ``paused``, ``done`` (a one-shot job that has had its occurrence and
+        has no unfinished run) or ``active``."""
+        if self.undeclared:
+            return "undeclared"
+        if self.paused:
+            return "paused"
+        done = self.schedule.startswith("at ") and self.next_at is None and not self.runs
+        return "done" if done else "active"
 
     def _fill(self, row: _JobStatusRow, following: int | None, runs: tuple[RunInfo, ...]) -> None:
         # (Filled in directly: a frozen dataclass's __init__ sets each field through
@@ -6808,6 +6927,11 @@ class _Loop:
         self._rejoin = True
         self.poke()
 
+    def _declarations_changed(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A job was declared, removed or rescheduled while serving, on any thread: join again."""
+        with contextlib.suppress(RuntimeError):  # (the loop has just closed: the next serve joins anew)
+            loop.call_soon_threadsafe(self.rejoin)
+
     def _wake_up(self) -> None:
         self._poked = self._written = True
         if self._wake is not None:
@@ -6861,6 +6985,7 @@ class _Loop:
             self._link.backend, self._clock, f"anarchon-heartbeat-{self.instance}", loop, self._switch_interval
         )
         jobs = self._declared
+        jobs.live, jobs.changed = True, functools.partial(self._declarations_changed, loop)
         watchdog = _Watchdog(loop, timers, self._clock, self._blocked_warning, lambda t: _where_blocked(jobs.jobs, t))
         runner.begin(heartbeats, timers, watchdog)
         timers.start()
@@ -6882,6 +7007,7 @@ class _Loop:
             if self.metrics is not None:
                 await self.metrics.last()
         finally:
+            jobs.live, jobs.changed = False, None
             if self.notify is not None:
                 self.notify.close()
             watch.close()
@@ -7244,7 +7370,7 @@ class Scheduler:
 
     def __init__(
         self,
-        path: str | os.PathLike,  # type: ignore[type-arg]
+        path: PathLike,
         *,
         instance: str | None = None,
         clock: Clock | None = None,
@@ -7255,7 +7381,7 @@ class Scheduler:
         switch_interval: float | None = 0.0005,
         read_only: bool = False,
         notify: bool = False,
-        metrics_file: str | os.PathLike | None = None,  # type: ignore[type-arg]
+        metrics_file: PathLike | None = None,
         durability: Literal["full", "normal"] = "normal",
         shared_group: bool = False,
         store: _Backend | Callable[[_Backend], _Backend] | None = None,
@@ -7301,15 +7427,25 @@ class Scheduler:
             self.keep_metrics(metrics_file)
 
     # -- declaring jobs ---------------------------------------------------------------------------
+    #
+    # Jobs may be declared, removed and rescheduled before the scheduler runs or while it does, from
+    # any thread: it takes effect at the next look (at once), and the store records what this
+    # process declares, for ``status``, ``trigger`` and ``forget`` in every process.
 
     @overload
     def every(
-        self, name: str, interval: DurationLike, handler: None = None, *, offset: DurationLike = 0, **options: Any
+        self,
+        name: str,
+        interval: DurationLike,
+        handler: None = None,
+        *,
+        offset: DurationLike = 0,
+        **options: Unpack[JobOptions],
     ) -> Callable[[H], H]: ...
 
     @overload
     def every(
-        self, name: str, interval: DurationLike, handler: H, *, offset: DurationLike = 0, **options: Any
+        self, name: str, interval: DurationLike, handler: H, *, offset: DurationLike = 0, **options: Unpack[JobOptions]
     ) -> H: ...
 
     def every(
@@ -7319,34 +7455,24 @@ class Scheduler:
         handler: Handler | None = None,
         *,
         offset: DurationLike = 0,
-        **options: Any,
+        **options: Unpack[JobOptions],
     ) -> Any:
         """Run ``handler`` every ``interval``, on slots aligned to the Unix epoch (plus ``offset``)."""
-        seconds = parse_duration(interval, job=name, option="interval")
-        shift = parse_duration(offset, job=name, option="offset", allow_zero=True)
-        return self._declared.declare(name, _Every(seconds, shift), handler, options)
+        return self._declared.declare(name, _every(name, interval, offset), handler, dict(options))
 
     @overload
     def cron(
-        self, name: str, expr: str, handler: None = None, *, tz: None | str | _dt.tzinfo = None, **options: Any
+        self, name: str, expr: str, handler: None = None, *, tz: Zone = None, **options: Unpack[JobOptions]
     ) -> Callable[[H], H]: ...
 
     @overload
-    def cron(self, name: str, expr: str, handler: H, *, tz: None | str | _dt.tzinfo = None, **options: Any) -> H: ...
+    def cron(self, name: str, expr: str, handler: H, *, tz: Zone = None, **options: Unpack[JobOptions]) -> H: ...
 
     def cron(
-        self,
-        name: str,
-        expr: str,
-        handler: Handler | None = None,
-        *,
-        tz: None | str | _dt.tzinfo = None,
-        **options: Any,
+        self, name: str, expr: str, handler: Handler | None = None, *, tz: Zone = None, **options: Unpack[JobOptions]
     ) -> Any:
         """Run ``handler`` on a 5-field cron schedule in zone ``tz`` (default: the local zone)."""
-        if not isinstance(expr, str):
-            raise ConfigError(f"cron expression must be a string, not {expr!r}", job=name, option="cron")
-        return self._declared.declare(name, _Cron(expr, _zone(tz, name), name), handler, options)
+        return self._declared.declare(name, _cron(name, expr, tz), handler, dict(options))
 
     @overload
     def rrule(
@@ -7355,13 +7481,13 @@ class Scheduler:
         rule: str | _rrule.rrule,
         handler: None = None,
         *,
-        tz: None | str | _dt.tzinfo = None,
-        **options: Any,
+        tz: Zone = None,
+        **options: Unpack[JobOptions],
     ) -> Callable[[H], H]: ...
 
     @overload
     def rrule(
-        self, name: str, rule: str | _rrule.rrule, handler: H, *, tz: None | str | _dt.tzinfo = None, **options: Any
+        self, name: str, rule: str | _rrule.rrule, handler: H, *, tz: Zone = None, **options: Unpack[JobOptions]
     ) -> H: ...
 
     def rrule(
@@ -7370,23 +7496,84 @@ class Scheduler:
         rule: str | _rrule.rrule,
         handler: Handler | None = None,
         *,
-        tz: None | str | _dt.tzinfo = None,
-        **options: Any,
+        tz: Zone = None,
+        **options: Unpack[JobOptions],
     ) -> Any:
         """Run ``handler`` on an RFC 5545 recurrence rule (string or ``dateutil.rrule.rrule``)."""
-        zone = None if tz is None else _zone(tz, name)
-        return self._declared.declare(name, _RRule(rule, zone, name), handler, options)
+        return self._declared.declare(
+            name, _RRule(rule, None if tz is None else _zone(tz, name), name), handler, dict(options)
+        )
 
     @overload
-    def on_start(self, name: str, handler: None = None, **options: Any) -> Callable[[H], H]: ...
+    def at(
+        self, name: str, when: When, handler: None = None, *, tz: Zone = None, **options: Unpack[JobOptions]
+    ) -> Callable[[H], H]: ...
 
     @overload
-    def on_start(self, name: str, handler: H, **options: Any) -> H: ...
+    def at(self, name: str, when: When, handler: H, *, tz: Zone = None, **options: Unpack[JobOptions]) -> H: ...
 
-    def on_start(self, name: str, handler: Handler | None = None, **options: Any) -> Any:
+    def at(
+        self, name: str, when: When, handler: Handler | None = None, *, tz: Zone = None, **options: Unpack[JobOptions]
+    ) -> Any:
+        """Run ``handler`` once, at ``when``, on one of the processes that declare it: a one-shot
+        job. ``when`` is an aware ``datetime``, a naive one or an ISO 8601 string (in zone ``tz``,
+        default the local zone), or Unix epoch seconds. The store keeps that it ran: a process
+        started again that declares it again does not run it again. A ``when`` already past runs
+        if it is no more than 5 s late, or within ``catch_up``; otherwise it is recorded ``missed``."""
+        return self._declared.declare(name, _At(_at_time(when, _zone(tz, name), name)), handler, dict(options))
+
+    @overload
+    def on_start(self, name: str, handler: None = None, **options: Unpack[JobOptions]) -> Callable[[H], H]: ...
+
+    @overload
+    def on_start(self, name: str, handler: H, **options: Unpack[JobOptions]) -> H: ...
+
+    def on_start(self, name: str, handler: Handler | None = None, **options: Unpack[JobOptions]) -> Any:
         """Run ``handler`` once when a group of processes starts on the store (no other one
         running): a crontab's ``@reboot``. Never on a clock; ``trigger`` runs it any time."""
-        return self._declared.declare(name, _OnStart(), handler, options)
+        return self._declared.declare(name, _OnStart(), handler, dict(options))
+
+    def remove(self, name: str) -> None:
+        """Stop declaring job ``name`` in this process (``JobNotFound`` if it does not): from the
+        next look it claims no occurrence of it; its attempts running here carry on to their end.
+        The store keeps the job and its history: other processes that declare it go on running
+        it, and once none does, ``status`` shows it ``undeclared`` and ``forget`` deletes it."""
+        self._declared.remove(name)
+
+    def reschedule(
+        self,
+        name: str,
+        *,
+        every: DurationLike | None = None,
+        offset: DurationLike = 0,
+        cron: str | None = None,
+        rrule: str | _rrule.rrule | None = None,
+        at: When | None = None,
+        tz: Zone = None,
+    ) -> None:
+        """Give job ``name`` another schedule (exactly one of ``every``, ``cron``, ``rrule`` and
+        ``at``), with its handler and options, from the next look. Its occurrences go on from now:
+        those the new schedule had before are neither run nor recorded missed. Every process that
+        declares the job should declare the new schedule (until they all do, each warns that the
+        other declares it differently, and the store holds the one declared last)."""
+        given = [
+            kind
+            for kind, value in (("every", every), ("cron", cron), ("rrule", rrule), ("at", at))
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise ConfigError(
+                f"give exactly one of every, cron, rrule and at, not {given or 'none'}", job=name, option="schedule"
+            )
+        if every is not None:
+            schedule: _Schedule = _every(name, every, offset)
+        elif cron is not None:
+            schedule = _cron(name, cron, tz)
+        elif rrule is not None:
+            schedule = _RRule(rrule, None if tz is None else _zone(tz, name), name)
+        else:
+            schedule = _At(_at_time(at, _zone(tz, name), name))
+        self._declared.reschedule(name, schedule)
 
     def agree_on(self, name: str, text: str) -> None:
         """Make ``text`` (a crontab entry's command) part of what every process declaring job
@@ -7415,7 +7602,6 @@ class Scheduler:
         crontab read again. Safe while this scheduler runs, on its event loop's thread; attempts
         already running carry on."""
         self._declared.replace(source._declared.jobs)
-        self._loop.rejoin()
 
     def upcoming(self, name: str, count: int = 5, after: _dt.datetime | None = None) -> list[_dt.datetime]:
         """The next ``count`` occurrences of job ``name`` strictly after ``after`` (default now; a
@@ -7493,7 +7679,7 @@ class Scheduler:
         renewals' lateness over the last minute (99th percentile)."""
         return await self._link.call(lambda s: _prometheus(s.figures(), self._loop.lateness()))
 
-    def keep_metrics(self, path: str | os.PathLike) -> None:  # type: ignore[type-arg]
+    def keep_metrics(self, path: PathLike) -> None:
         """Keep the node_exporter textfile at ``path`` while this scheduler runs, as
         ``metrics_file=`` does: rewritten whole at start, within a second of each start and end of
         an attempt, and at the stop, with what ``prometheus()`` returns. A failed write is logged
@@ -7667,7 +7853,7 @@ class Control:
     script): the same calls as ``Scheduler``'s, each run to its end on an event loop of its own.
     Do not call it from async code (use the ``Scheduler``); the command line is built on it."""
 
-    def __init__(self, path: str, *, read_only: bool = False, shared_group: bool = False):
+    def __init__(self, path: PathLike, *, read_only: bool = False, shared_group: bool = False):
         self.scheduler = Scheduler(path, read_only=read_only, shared_group=shared_group)  #: what the calls go through
 
     def status(self) -> list[JobStatus]:
@@ -8600,7 +8786,7 @@ def _timeline_svg(names: list[str], stretches: list[_Stretch], running: list[Run
 
 
 async def serve_status_page(
-    path: str, listen: str = "127.0.0.1:8080", *, token: str | None = None, control: bool = False
+    path: PathLike, listen: str = "127.0.0.1:8080", *, token: str | None = None, control: bool = False
 ) -> None:
     """Serve the status page of the store at ``path`` (a file or a URL) until cancelled, from a
     process of its own: read-only connections unless ``control``."""
@@ -8608,7 +8794,9 @@ async def serve_status_page(
     page = StatusPage(scheduler, listen, token=token, control=control)
     try:
         await page.start()
-        _log.warning("status page of %s on %s%s", _shown_store(path), page.url, " (with control)" if control else "")
+        _log.warning(
+            "status page of %s on %s%s", _shown_store(scheduler.path), page.url, " (with control)" if control else ""
+        )
         await asyncio.Event().wait()
     finally:
         await page.close()

@@ -327,3 +327,63 @@ def test_a_handler_raising_system_exit_takes_no_process_down(procs):
     for proc in started:
         proc.send_signal(signal.SIGTERM)
     assert [proc.wait(timeout=30) for proc in started] == [0, 0, 0]
+
+
+def test_jobs_declared_and_removed_at_run_time_are_seen_by_every_process(procs):
+    """Two processes that declare jobs while they run (``every`` and ``at`` called in a running
+    scheduler, then ``remove``): another process (this test's) sees them in ``status`` and can
+    ``trigger`` them at once; a one-shot job runs once however many declare it; a job one process
+    removes while the other still declares it goes on running there, and ``forget`` refuses it;
+    once neither declares it, it is ``undeclared``, refused by ``trigger`` and forgotten."""
+    from anarchon_lite import ConfigError
+
+    a, b = start_all(procs, "runtime", 2)
+    inspector = Scheduler(procs.db)
+    when = time.time() + 1.5
+
+    def ask(step, proc, told):
+        with open(f"{procs.events}.{step}.{proc.pid}", "w") as handle:
+            handle.write(repr(when))
+        return procs.wait(lambda e: e["event"] == told and e["pid"] == proc.pid, what=f"{proc.pid} {told}")
+
+    def states():
+        return {job.name: (job.state, job.next_at is not None) for job in run(inspector.status())}
+
+    def runs(job, pid=None):
+        return [e for e in procs.read() if e["event"] == "run" and e["job"] == job and pid in (None, e["pid"])]
+
+    def state_of(job, expected):
+        deadline = time.monotonic() + 10
+        while states().get(job) != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert states().get(job) == expected
+
+    ask("add", a, "added")
+    state_of("added", ("active", True))  # recorded at the process's next look
+    slot = run(inspector.trigger("added"))
+    procs.wait(lambda e: e["event"] == "run" and e["job"] == "added" and e["slot"] == slot, what="the trigger run")
+    ask("add", b, "added")
+    procs.wait(lambda e: e["event"] == "run" and e["job"] == "once", what="the one-shot job")
+    removed = ask("remove", a, "removed")["t"]
+    procs.wait(
+        lambda e: e["event"] == "run" and e["job"] == "added" and e["pid"] == b.pid and e["t"] > removed + 0.6,
+        what="b running what a removed",
+    )
+    assert not [e for e in runs("added", a.pid) if e["t"] > removed + 0.1]
+    assert states()["added"] == ("active", True)
+    with pytest.raises(ConfigError, match="declares it"):
+        run(inspector.forget("added"))
+    ask("remove", b, "removed")
+    state_of("added", ("undeclared", True))
+    with pytest.raises(ConfigError, match="no running process declares it"):
+        run(inspector.trigger("added"))
+    assert states()["once"] == ("done", False)
+    assert [e["slot"] for e in runs("once")] == [int(when * 1000)]
+    slots = [(e["job"], e["slot"]) for e in procs.read() if e["event"] == "run"]
+    assert len(slots) == len(set(slots)), "an occurrence ran twice"
+    run(inspector.forget("added"))
+    assert "added" not in states()
+    for proc in (a, b):
+        proc.send_signal(signal.SIGTERM)
+    for proc in (a, b):
+        assert proc.wait(timeout=30) == 0

@@ -5,7 +5,8 @@ Modes: ``every`` (a 500 ms job), ``export`` (the checkpointed recipe, triggered 
 ``block`` (an async handler that blocks the event loop for three and a half leases), ``spin``
 (the same in a plain-function handler's thread), ``escape`` (raises SystemExit, then
 KeyboardInterrupt, then succeeds), ``clock`` (a 1 s job, with the system's wall clock
-plus the offset in seconds read from the file EVENTS.offset).
+plus the offset in seconds read from the file EVENTS.offset), ``runtime`` (declares jobs while it
+runs when the test asks: see ``declare_when_asked``).
 """
 
 import asyncio
@@ -108,6 +109,25 @@ async def escape(ctx):
     emit("done", slot=ctx.slot, attempt=ctx.attempt)
 
 
+async def declare_when_asked(scheduler, runner):
+    """While the scheduler runs: when the file EVENTS.add.PID appears, declare a job every 500 ms
+    (``added``) and a one-shot job (``once``) at the epoch seconds the file holds; when
+    EVENTS.remove.PID appears, remove ``added``. Each is told with an event."""
+    steps = [
+        ("add", "added", lambda when: (scheduler.every("added", "500ms", tick), scheduler.at("once", when, tick))),
+        ("remove", "removed", lambda _when: scheduler.remove("added")),
+    ]
+    for step, told, act in steps:
+        path = f"{EVENTS}.{step}.{PID}"
+        while not os.path.exists(path) and not runner.done():
+            await asyncio.sleep(0.02)
+        if runner.done():
+            return
+        with open(path) as handle:  # noqa: ASYNC230 - a few bytes, once
+            act(float(handle.read() or 0))
+        emit(told, instance=ME)
+
+
 class OffsetClock(Clock):
     """The system's clocks, with the wall clock moved by the offset in a file (a wrong boot clock)."""
 
@@ -130,6 +150,8 @@ async def main():
         scheduler.every("spin", "24h", spin, offset=QUIET, lease=LEASE)
     elif MODE == "escape":
         scheduler.every("escape", "24h", escape, offset=QUIET, retries=2, retry_delay="100ms")
+    if MODE == "runtime":
+        scheduler.every("base", "24h", tick, offset=QUIET)
     runner = asyncio.ensure_future(scheduler.run())
     await asyncio.sleep(0)
     while scheduler._loop.ready is None or not scheduler._loop.ready.is_set():
@@ -137,6 +159,8 @@ async def main():
             runner.result()  # the scheduler failed to start: show why
         await asyncio.sleep(0.01)
     emit("ready", instance=ME)
+    if MODE == "runtime":
+        await declare_when_asked(scheduler, runner)
     await runner
     emit("exit", instance=ME)
 
