@@ -6017,6 +6017,7 @@ class _Outcome:
     error: str | None = None
     retryable: bool = False
     output: str | None = None
+    said: str | None = None  # what the handler raised, ``Type: message``: the log line's start
 
     def __post_init__(self) -> None:  # whatever the handler handed back, text every store and log takes
         self.error = None if self.error is None else _safe_text(self.error, _ERROR_CHARS)
@@ -6084,7 +6085,7 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
     output = _tail(_attribute(exc, "output"))
     if isinstance(exc, _PlainFailure):
         return _Outcome("failed", _safe_text(exc), retryable=True, output=output)
-    return _Outcome("failed", _error_text(exc), retryable=True, output=output)
+    return _Outcome("failed", _error_text(exc), retryable=True, output=output, said=_said(exc))
 
 
 def _said(exc: BaseException) -> str:
@@ -6092,16 +6093,29 @@ def _said(exc: BaseException) -> str:
     return f"{_type_name(exc)}: {_safe_text(exc)}"
 
 
+def _summary(error: str, said: str | None) -> str:
+    """A failure's text for a log line: what was raised first, then where (the record keeps the
+    traceback's order, where first)."""
+    if said is None or not error.endswith(said) or error == said:
+        return error
+    return f"{said}\n  {error[: -len(said)].strip()}"
+
+
 def _error_text(exc: BaseException) -> str:
     """A failure as its record keeps it: the handler's last two frames (this module's own frames
     left out: where the handler raised, not where the library awaited it), then ``Type: message``."""
     shown = exc.exception if isinstance(exc, HandlerEscaped) else exc
     try:
-        frames = [f for f in traceback.extract_tb(shown.__traceback__) if f.filename != __file__][-2:]
+        frames = [f for f in traceback.extract_tb(shown.__traceback__) if f.filename not in _THIS_FILE][-2:]
         where = "".join(traceback.format_list(frames))
     except BaseException:  # noqa: BLE001 - a traceback that cannot be read: the message alone
         where = ""
     return f"{where}{_said(exc)}".strip()[-_ERROR_CHARS:]
+
+
+# The names this file's frames carry: the path it was imported from, and the one its code was
+# compiled at (they differ for a copy whose cached bytecode was written elsewhere).
+_THIS_FILE = frozenset({__file__, _error_text.__code__.co_filename})
 
 
 def _attribute(value: object, name: str) -> object:
@@ -6196,7 +6210,7 @@ class _Events:
         elif then is _AfterEnd.HANDOVER:
             what += ", handed over"
         if outcome.error and status != "succeeded":
-            what += f": {outcome.error}"
+            what += f": {_summary(outcome.error, outcome.said)}"
         if outcome.output and status in ("failed", "timed_out"):
             tail = outcome.output.rstrip("\n").splitlines()[-_LOGGED_OUTPUT_LINES:]
             what += "".join(f"\n  | {line}" for line in tail)
@@ -6531,6 +6545,10 @@ class _Agenda:
                 self._keys.insert(at, entry[0])
                 self._entries.insert(at, entry[1])
                 self._due[row.name] = entry[0][0]
+
+    def first(self) -> tuple[int, str] | None:
+        """The next occurrence due and its job's name (None: nothing is)."""
+        return self._keys[0] if self._keys else None
 
     def ready(self, now_ms: int, wait: float) -> tuple[list[tuple[_Job, _JobRow]], float]:
         """The jobs with an occurrence due by ``now_ms`` (each with its row), and the seconds until
@@ -7039,6 +7057,8 @@ class _Loop:
             self._delay = 0.0
             self._backing_off = False
         if self.ready is not None:
+            if not self.ready.is_set() and self._failing is None:
+                self._greet()
             self.ready.set()
         if self.notify is not None:
             self.notify.status(self._doing())
@@ -7048,6 +7068,19 @@ class _Loop:
         busy = self._busy_until - self._clock.monotonic()
         if busy > 0 and not self.stopping:  # what comes due meanwhile is fired together
             await asyncio.sleep(busy)
+
+    def _greet(self) -> None:
+        """Say, once the first look is done, that this process has joined, and what comes next
+        (a process that would otherwise stay silent until its first run looks hung)."""
+        agenda, now = self._agenda, self._clock.time()
+        first = None if agenda is None else agenda.first()
+        count = len(self._declared.jobs)
+        text = f"joined {self._where} as {self.instance}: {count} job{'' if count == 1 else 's'} declared"
+        if first is not None:
+            due, name = first
+            at = _utc_from_ms(due).astimezone(_local_zone()).strftime("%Y-%m-%d %H:%M:%S %Z")
+            text += f", next {name!r} at {at} (in {format_duration(max(0, math.ceil(due / 1000 - now)))})"
+        _log.info("%s", text)
 
     def _doing(self) -> str:
         """What this process is doing, in a line (systemd's ``STATUS=``)."""
@@ -7418,6 +7451,8 @@ class Scheduler:
             self.instance, self._clock, self._link, self.checkpoints, self._events, blocked_warning, switch_interval
         )
         self._signal_tasks: set[asyncio.Task[None]] = set()  #: the stops that signals began
+        self._body_signals: list[int] = []  #: the signals ``async with`` took (given back at its end)
+        self._body_cancelled = False  #: a signal cancelled the ``async with`` block's task
         self._main: asyncio.Task[None] | None = None  #: the task that serves, while it does
         self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
         self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
@@ -7733,24 +7768,38 @@ class Scheduler:
         if self._read_only:
             raise ConfigError("a read-only scheduler only looks at the file: it cannot run", option="read_only")
         self._loop.stopping = False  # a stop from now on, even while starting, is kept
-        loop = asyncio.get_running_loop()
-        installed = []
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                try:
-                    loop.add_signal_handler(signum, self._on_signal, signum)
-                    installed.append(signum)
-                except (NotImplementedError, RuntimeError):
-                    pass
+        installed = self._take_signals(only_unclaimed=False)
         self._main = asyncio.current_task()
         self._loop.ready = asyncio.Event()
         try:
             await self._loop.serve()
         finally:
-            for signum in installed:
-                loop.remove_signal_handler(signum)
+            self._give_signals_back(installed)
 
-    def _on_signal(self, signum: int) -> None:
+    def _take_signals(self, only_unclaimed: bool, then: Callable[[], object] | None = None) -> list[int]:
+        """Stop on SIGTERM and SIGINT (a second one cuts the grace short), then call ``then``;
+        only on the main thread, and with ``only_unclaimed`` only for a signal whose handling the
+        application left as Python's default. Returns the signals taken."""
+        taken: list[int] = []
+        if threading.current_thread() is not threading.main_thread():
+            return taken
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if only_unclaimed and signal.getsignal(signum) not in (signal.SIG_DFL, signal.default_int_handler):
+                continue
+            try:
+                loop.add_signal_handler(signum, self._on_signal, signum, then)
+                taken.append(signum)
+            except (NotImplementedError, RuntimeError):
+                pass
+        return taken
+
+    def _give_signals_back(self, taken: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in taken:
+            loop.remove_signal_handler(signum)
+
+    def _on_signal(self, signum: int, then: Callable[[], object] | None = None) -> None:
         hurry = self._loop.runner.hurry
         if self._loop.stopping and hurry is not None:
             if not hurry.is_set():
@@ -7761,21 +7810,48 @@ class Scheduler:
         task = asyncio.get_running_loop().create_task(self.stop())
         self._signal_tasks.add(task)
         task.add_done_callback(self._signal_tasks.discard)
+        if then is not None:
+            then()
 
     async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
-        """Start the scheduler in the background; returns once it has looked at the file once."""
+        """Start the scheduler in the background; returns once it has looked at the file once.
+
+        On the main thread, SIGTERM and SIGINT (unless the application handles them itself) stop
+        it as they stop ``run()``, handing its runs over, and end the block: the task in it is
+        cancelled, and the ``CancelledError`` ends at the block's end, where the code after it
+        carries on (a second signal cuts the grace short)."""
         self._loop.stopping = False
         self._loop.ready = ready = asyncio.Event()
+        body = asyncio.current_task()
+        self._body_cancelled = False
+        self._body_signals = self._take_signals(True, functools.partial(self._cancel_body, body))
         self._main = asyncio.get_running_loop().create_task(self._loop.serve())
         waiter = asyncio.ensure_future(ready.wait())
-        await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
+        try:
+            await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
         if self._main.done():
+            self._give_signals_back(self._body_signals)
             self._main.result()
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    def _cancel_body(self, body: asyncio.Task[Any] | None) -> None:
+        if body is not None and not body.done():
+            self._body_cancelled = True
+            body.cancel()
+
+    async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> bool:
+        self._give_signals_back(self._body_signals)
         await self.stop()
+        if self._body_cancelled and kind is asyncio.CancelledError:
+            self._body_cancelled = False
+            task = asyncio.current_task()
+            uncancel = getattr(task, "uncancel", None)  # (Python 3.11: what cancelled it is dealt with)
+            if uncancel is not None:
+                uncancel()
+            return True  # the signal's cancel ends here: the code after the block runs
+        return False
 
     async def stop(self, grace: DurationLike = 10.0) -> None:
         """Stop claiming work, abort running handlers with ``Shutdown``, wait up to ``grace`` for

@@ -387,3 +387,58 @@ def test_jobs_declared_and_removed_at_run_time_are_seen_by_every_process(procs):
         proc.send_signal(signal.SIGTERM)
     for proc in (a, b):
         assert proc.wait(timeout=30) == 0
+
+
+ASYNC_WITH_APP = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[2])
+from anarchon_lite import Scheduler
+
+scheduler = Scheduler(sys.argv[1], poll=0.05)
+
+
+@scheduler.every("long", "24h", offset=int(sys.argv[3]))
+async def long(ctx):
+    print("started", flush=True)
+    await ctx.signal.wait()
+    print("aborted", type(ctx.signal.reason).__name__, flush=True)
+    ctx.signal.throw_if_aborted()
+
+
+async def main():
+    async with scheduler:
+        await scheduler.trigger("long")
+        await asyncio.Event().wait()
+    print("after the block", flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+def test_sigterm_ends_an_async_with_block_and_hands_its_runs_over(store, tmp_path):
+    """An asyncio application that runs the scheduler with ``async with`` and waits for ever:
+    SIGTERM stops the scheduler as it stops ``run()`` (the handler sees ``Shutdown``, the run is
+    handed over: ``interrupted``, waiting for the next process), ends the block, and the code
+    after it runs; the process exits 0 (it used to be killed by the signal, with no hand-over)."""
+    from conftest import QUIET
+
+    app = tmp_path / "app.py"
+    app.write_text(ASYNC_WITH_APP)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, str(app), store, root, str(QUIET)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "started\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert out == "aborted Shutdown\nafter the block\n", out + err
+        assert "attempt 1 interrupted" in err and "handed over: Shutdown" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    (record,) = history(store, "long")
+    assert (record.attempt, record.status) == (1, "interrupted")

@@ -143,7 +143,14 @@ def test_every_run_is_logged_with_its_fields(db, clock, caplog):
     done = by[("slow", "succeeded")]
     assert done.levelno == logging.INFO and done.duration >= 0 and "succeeded after" in done.getMessage()
     failed = by[("broken", "failed")]
-    assert failed.levelno == logging.ERROR and "ValueError: no such table" in failed.getMessage()
+    # what the handler raised first, then where (the handler's frame, never the library's)
+    assert failed.levelno == logging.ERROR
+    said, where = failed.getMessage().split("failed after ", 1)[1].split(": ", 1)[1].split("\n", 1)
+    assert said == "ValueError: no such table"
+    assert where.lstrip().startswith(f'File "{__file__}"') and "in broken" in where, where
+    joined = [r.getMessage() for r in caplog.records if r.getMessage().startswith("joined ")]
+    assert len(joined) == 1, joined
+    assert " 2 jobs declared, next 'broken' at " in joined[0] and joined[0].endswith("(in 1s)"), joined[0]
     skipped = by[("slow", "skipped")]
     assert skipped.levelno == logging.WARNING and skipped.slot == done.slot + 60_000 and skipped.attempt == 0
 
