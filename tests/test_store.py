@@ -116,9 +116,7 @@ def test_missed_records_and_watermark_are_one_transaction(s):
         (2000, "missed", "and 5 more"),
     ]
     # a stale watermark writes nothing
-    assert (
-        s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, 1, 0)) is al._NotClaimed.MOVED
-    )
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, 1, 0)) is al._NotClaimed.MOVED
 
 
 def test_a_lease_runs_out_on_the_stores_clock(process, s):
