@@ -8557,7 +8557,8 @@ class StatusPage(_PageServer):
         rows = []
         for job in shown:
             href = _job_href(job.name)
-            following = None if job.paused or job.undeclared else job.next_at
+            # (when the next occurrence starts, its jitter included, as ``status`` shows it)
+            following = None if job.paused or job.undeclared else job.next_start or job.next_at
             last = "".join(
                 f'<span class=mark style="background:{_WEB_COLOURS.get(r.status, "#555")}" title="{_html(r.status)}"></span>'
                 for r in reversed(marks.get(job.name, []))
