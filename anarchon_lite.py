@@ -6481,10 +6481,10 @@ class _Runner:
             then, not_before = _AfterEnd.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         self._events.end(attempt, outcome, duration, then)
+        written = False
         for tries in range(60):
             try:
-                if await self._finish(end) and end.status in _FAILED:
-                    self._ended_failed(attempt.job, end)
+                written = await self._finish(end)
                 break
             except Exception as exc:  # noqa: BLE001 - a StoreError passes; anything else is this end's own
                 if not isinstance(exc, StoreError):  # the end as bare as can be: its status alone
@@ -6500,6 +6500,8 @@ class _Runner:
                     exc,
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
+        if written and end.status in _FAILED:
+            self._ended_failed(attempt.job, end)
         if then is not _AfterEnd.DONE:
             self._poke()
 
