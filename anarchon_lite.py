@@ -141,6 +141,8 @@ _log = logging.getLogger("anarchon_lite")
 _UTC = _dt.timezone.utc
 T = TypeVar("T")
 Handler = Callable[["RunContext"], Any]  # a job's handler: given the run's context; async or not
+#: What ``on_failure`` is given: the final record of a run that failed for good (or of each failed attempt).
+FailureHook = Callable[["RunRecord"], object]
 H = TypeVar("H", bound=Handler)  # a handler, as declared: the decorators give it back unchanged
 DurationLike = Union[int, float, _dt.timedelta, str]
 PathLike = Union[str, "os.PathLike[str]"]
@@ -153,13 +155,16 @@ class JobOptions(TypedDict, total=False):
     a type checker refuses a misspelt one."""
 
     timeout: DurationLike | None
-    overlap: Literal["skip", "allow"]
+    overlap: Literal["skip", "allow"] | int
     lease: DurationLike
     retries: int
     retry_delay: DurationLike
     max_attempts: int
     grace: DurationLike
     catch_up: DurationLike | None
+    jitter: DurationLike | None
+    on_failure: FailureHook | None
+    on_failure_every_attempt: bool
 
 
 _Telling = Union[bool, Callable[[T], bool]]  # whether a write tells the others: always, or by its result
@@ -317,7 +322,8 @@ def parse_duration(
     else:
         raise ConfigError(f"duration must be a number, timedelta or string, not {value!r}", job=job, option=option)
     if not (seconds >= 0 if allow_zero else seconds > 0):
-        raise ConfigError(f"duration must be positive, got {value!r}", job=job, option=option)
+        must = "must not be negative" if allow_zero else "must be positive"
+        raise ConfigError(f"duration {must}, got {value!r}", job=job, option=option)
     if seconds > _MAX_DURATION:
         raise ConfigError(f"duration {value!r} is too long: at most 100 years (36500d)", job=job, option=option)
     return seconds
@@ -582,9 +588,18 @@ class _Schedule:
     def next_after(self, after_ms: int) -> int | None:
         raise NotImplementedError
 
-    def start(self, now_ms: int) -> int:
+    def watermark(self, now_ms: int) -> int:
         """The watermark of a job new to the store, declared at ``now_ms``: its occurrences come after it."""
         return now_ms
+
+    def start_of(self, slot: int) -> int:
+        """When the occurrence ``slot`` starts: at its time, unless a delay is added (``_Jittered``)."""
+        return slot
+
+    @property
+    def plain(self) -> _Schedule:
+        """The schedule without the delay of its starts."""
+        return self
 
     def following(self, after_ms: int, count: int) -> list[_dt.datetime]:
         """The next ``count`` occurrences strictly after ``after_ms`` (fewer if the schedule ends), in UTC."""
@@ -631,7 +646,7 @@ class _At(_Schedule):
     def next_after(self, after_ms: int) -> int | None:
         return self.when if after_ms < self.when else None
 
-    def start(self, now_ms: int) -> int:
+    def watermark(self, now_ms: int) -> int:
         return min(now_ms, self.when - 1)
 
 
@@ -652,6 +667,42 @@ def _at_time(when: object, zone: _dt.tzinfo, job: str) -> int:
     if isinstance(moment, (int, float)) and not isinstance(moment, bool) and math.isfinite(moment):
         return _ms(moment)
     raise ConfigError(f"must be a datetime, an ISO 8601 string or epoch seconds, not {when!r}", job=job, option="when")
+
+
+class _Jittered(_Schedule):
+    """Another schedule whose occurrences each start up to ``jitter`` later (systemd's
+    ``RandomizedDelaySec=``), by a delay that every process computes alike from the job's name and
+    the slot: the slot stays the occurrence's key, so the once-only claim is unchanged, and only
+    the start moves. A delay never reaches the next occurrence (it is scaled to the gap when the
+    gap is shorter than ``jitter``): occurrences start in the order of their slots."""
+
+    def __init__(self, inner: _Schedule, jitter: float, job: str):
+        self.inner = inner
+        self.jitter = max(1, round(jitter * 1000))  #: the longest delay, milliseconds
+        self._salt = job.encode()
+        self.description = f"{inner.description} jitter {format_duration(jitter)}"
+
+    @property
+    def plain(self) -> _Schedule:
+        return self.inner
+
+    def next_after(self, after_ms: int) -> int | None:
+        return self.inner.next_after(after_ms)
+
+    def watermark(self, now_ms: int) -> int:
+        return self.inner.watermark(now_ms)
+
+    def start_of(self, slot: int) -> int:
+        following = self.inner.next_after(slot)
+        most = self.jitter if following is None else min(self.jitter, following - slot)
+        return slot + _jitter_ms(self._salt, slot, most)
+
+
+def _jitter_ms(salt: bytes, slot: int, most: int) -> int:
+    """A delay in [0, ``most``) milliseconds, the same on every process for the same job (``salt``)
+    and slot: a hash, not a random number, which each process would draw differently."""
+    digest = hashlib.blake2b(salt + b"\0" + str(slot).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") * most >> 64
 
 
 def _local_zone() -> _dt.tzinfo:
@@ -1011,6 +1062,40 @@ def _rule_text(rule: _rrule.rrule) -> str:
     return str(rule).split("\n")[-1].replace("RRULE:", "")
 
 
+# What a stored description adds after the schedule: its jitter, and an overlap that is a number.
+_DESCRIBED_OPTIONS = re.compile(r"^(.*?)(?: jitter (\S+))?(?: overlap ([0-9]+))?\Z")
+
+
+def _described(description: str) -> tuple[str, str | None, int | None]:
+    """A stored description (``every 1h jitter 30s overlap 3``) as its schedule's own description,
+    its jitter (as written) and its overlap."""
+    match = _DESCRIBED_OPTIONS.match(description)
+    assert match is not None, "the pattern matches any line"
+    base, jitter, overlap = match.groups()
+    return base, jitter, None if overlap is None else int(overlap)
+
+
+def _schedule_from(description: str, job: str) -> _Schedule:
+    """The schedule a stored description names (``every 1h``, ``cron 0 3 * * * UTC``, ``rrule
+    FREQ=DAILY Europe/Paris``, ``@reboot``, each maybe with ``jitter 30s`` and ``overlap 3``): for
+    the command line, which has no declarations."""
+    base, jitter, _ = _described(description)
+    if jitter is not None:
+        return _Jittered(_schedule_from(base, job), parse_duration(jitter, job=job, option="jitter"), job)
+    kind, _, rest = base.partition(" ")
+    if kind == "every":
+        interval, _, offset = rest.partition(" offset ")
+        return _Every(
+            parse_duration(interval, option="every"), parse_duration(offset, option="offset") if offset else 0.0
+        )
+    if kind in ("cron", "rrule"):
+        text, _, zone = rest.rpartition(" ")
+        return _Cron(text, _zone(zone, job), job) if kind == "cron" else _RRule(text, _zone(zone, job), job)
+    if base == _OnStart.description:
+        return _OnStart()
+    raise ConfigError(f"cannot read the stored schedule {description!r}", job=job)
+
+
 ###############################################################################
 # The store interface #########################################################
 ###############################################################################
@@ -1109,6 +1194,7 @@ class _Claim:
     slot: int
     attempt: int
     failures: int = 0
+    started_at: int | None = dataclasses.field(default=None, compare=False)  # ms, as its record has it
 
 
 class _NotClaimed(enum.Enum):
@@ -1139,7 +1225,7 @@ class _Due:
     next_slot: int | None
     missed: Sequence[tuple[int, str | None]]  # (slot, error) of the occurrences recorded missed
     run: bool
-    skip_if_busy: bool
+    overlap: int | None  # at most this many runs of the job unfinished, this one included (None: no limit)
     lease: float  # seconds; the store stamps its expiry on its own clock
     missed_count: int = 0  # how many occurrences were missed in all (``missed`` keeps at most 100)
 
@@ -1295,18 +1381,19 @@ class _Store(abc.ABC):
         lease: float,
         now_ms: int,
         max_attempts: int,
-        skip_if_busy: bool,
+        overlap: int | None,
         reason: str = "",
         owner_gone: bool = False,
-    ) -> _Claim | None:
+    ) -> _Claim | RunRecord | None:
         """Claim a pending run, or take over a running one whose owner is gone or whose lease ran
         out (``reason`` says why; ``owner_gone``: the owner is known to have ended, so its lease no
         longer counts), for ``lease`` seconds. A compare-and-set on the whole row as the caller saw
         it: if the owner renewed (in the row, or where else the store keeps leases), or another
         process claimed first, nothing is written and None returned. A takeover records the previous
-        attempt ``interrupted``; past ``max_attempts`` the run is ``failed`` for good, a cancelled
-        one ``cancelled``; under ``skip_if_busy`` an occurrence that has not started while another
-        run of the job is unfinished is ``skipped``."""
+        attempt ``interrupted``; a cancelled run ends ``cancelled``; past ``max_attempts`` the run is
+        ``failed`` for good, and its final record is returned (the caller, alone among the
+        processes, tells of the failure); an occurrence that has not started while ``overlap`` other
+        runs of the job are unfinished is ``skipped`` (the count and the claim are one transaction)."""
 
     @abc.abstractmethod
     def owner_gone(self, run: _RunRow) -> str | None:
@@ -1336,7 +1423,9 @@ class _Store(abc.ABC):
     @abc.abstractmethod
     def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
         """End attempts of ``owner``, in one transaction. Each is fenced: False (nothing written)
-        if the attempt no longer holds its run. ``DONE`` deletes the run (and prunes the job's
+        if the attempt no longer holds its run; True, written, by this call alone (so a written
+        ``DONE`` end of a failed or timed-out attempt is the one that made the run failed for good:
+        its caller tells of it). ``DONE`` deletes the run (and prunes the job's
         history to ``retention`` records, never an unfinished run's); ``RETRY`` and ``HANDOVER`` leave
         it pending, claimable from ``not_before``. The attempt's record becomes the job's newest."""
 
@@ -2029,7 +2118,7 @@ _SQL_RUN_COLUMNS = (
 )
 _SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
 _SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock() FROM runs ORDER BY job, slot"
-_SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"
+_SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"  # (the job's other unfinished runs)
 _SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
 _SQL_INSERT_DUE_RUN = _SQL_INSERT_RUN + " ON CONFLICT (job, slot) DO NOTHING"  # (already triggered by hand)
 _SQL_TAKE_RUN = (
@@ -2068,6 +2157,7 @@ _SQL_END_ATTEMPT = (
 _SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = {_SQL_NEWEST_ID.format(schema='', job='?')}"
 _SQL_SLOT_USED = "SELECT 1 FROM runs WHERE job = :job AND slot = :slot UNION ALL SELECT 1 FROM history WHERE job = :job AND slot = :slot"
 _SQL_HISTORY_COLUMNS = "job, slot, attempt, status, instance, started_at, finished_at, error, output"
+_SQL_RECORD_OF = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? AND slot = ? AND attempt = ?"
 _SQL_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT ?"
 _SQL_JOB_HISTORY = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? ORDER BY id DESC LIMIT ?"  # (by index)
 # The records that overlap a stretch of time, in groups of one job, status and part of the stretch
@@ -2264,6 +2354,11 @@ def _record(
     }
 
 
+def _history_record(r: Sequence[Any]) -> RunRecord:
+    """A record as read (``_SQL_HISTORY_COLUMNS``)."""
+    return RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
+
+
 def _run_row(row: Sequence[Any]) -> _RunRow:
     """A run as read (``_SQL_RUN_COLUMNS``, then the lease left and why the owner is gone, if read)."""
     values = list(row)
@@ -2398,7 +2493,7 @@ class _SQLStore(_Store):
             self._prune(conn, job)
         if not due.run:
             return _NotClaimed.RECORDED
-        if due.skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
+        if self._full(conn, job, slot, due.overlap):
             self._skip(conn, job, slot, owner, now_ms)
             return _NotClaimed.RECORDED
         if conn.execute(_SQL_INSERT_DUE_RUN, (job, slot, now_ms)).rowcount == 0:
@@ -2425,7 +2520,14 @@ class _SQLStore(_Store):
         )
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
         conn.execute(_SQL_RECORD, _record(job, slot, attempt, "running", owner, started_at=now_ms))
-        return _Claim(job, slot, attempt, failures)
+        return _Claim(job, slot, attempt, failures, now_ms)
+
+    @staticmethod
+    def _full(conn: Any, job: str, slot: int, overlap: int | None) -> bool:
+        """Whether ``overlap`` runs of ``job`` other than ``slot``'s are unfinished (pending, running,
+        waiting for a retry or a takeover), read in the claim's own transaction: the store's write
+        lock (SQLite's, PostgreSQL's write turn) keeps the count true until the claim commits."""
+        return overlap is not None and int(conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]) >= overlap
 
     def claim(
         self,
@@ -2434,11 +2536,11 @@ class _SQLStore(_Store):
         lease: float,
         now_ms: int,
         max_attempts: int,
-        skip_if_busy: bool,
+        overlap: int | None,
         reason: str = "",
         owner_gone: bool = False,
-    ) -> _Claim | None:
-        def work(conn: Any) -> _Claim | None:
+    ) -> _Claim | RunRecord | None:
+        def work(conn: Any) -> _Claim | RunRecord | None:
             rows = conn.execute(self._SQL_RUN_TO_TAKE, (expected.job, expected.slot)).fetchall()
             if not rows or _run_row(rows[0]) != expected:
                 return None
@@ -2452,8 +2554,8 @@ class _SQLStore(_Store):
                 return None
             if attempt >= max_attempts:
                 self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
-                return None
-            if attempt == 0 and skip_if_busy and conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]:
+                return _history_record(conn.execute(_SQL_RECORD_OF, (job, slot, attempt)).fetchone())
+            if attempt == 0 and self._full(conn, job, slot, overlap):
                 conn.execute(_SQL_DELETE_RUN, (job, slot))
                 self._skip(conn, job, slot, owner, now_ms)
                 return None
@@ -2629,10 +2731,8 @@ class _SQLStore(_Store):
         return self._write(work, notify=False)
 
     def history(self, job: str | None, limit: int) -> list[RunRecord]:
-        return [
-            RunRecord(r[0], r[1], r[2], r[3], r[4], _dt_or_none(r[5]), _dt_or_none(r[6]), r[7], r[8])
-            for r in (self._read(_SQL_HISTORY, (limit,)) if job is None else self._read(_SQL_JOB_HISTORY, (job, limit)))
-        ]
+        rows = self._read(_SQL_HISTORY, (limit,)) if job is None else self._read(_SQL_JOB_HISTORY, (job, limit))
+        return [_history_record(row) for row in rows]
 
     def timeline(self, jobs: Sequence[str], since_ms: int, until_ms: int, part_ms: int) -> list[_Stretch]:
         if not jobs:
@@ -5342,20 +5442,36 @@ class _Watchdog:
 # Jobs and options ############################################################
 ###############################################################################
 
-_OVERLAP = ("skip", "allow")
+_OVERLAP = {"skip": 1, "allow": None}  # the words ``overlap`` takes, as the number of runs they allow
 _MIN_LEASE = 0.25  # seconds: renewed every third, a renewal may come 160 ms late (10x the worst measured)
+_KNOWN_OPTIONS = (
+    "timeout",
+    "overlap",
+    "lease",
+    "retries",
+    "retry_delay",
+    "max_attempts",
+    "grace",
+    "catch_up",
+    "jitter",
+    "on_failure",
+    "on_failure_every_attempt",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
     timeout: float | None
-    overlap: str
+    overlap: int | None  #: at most this many runs of the job unfinished at once (1: "skip"; None: "allow")
     lease: float
     retries: int
     retry_delay: float
     max_attempts: int
     grace: float
     catch_up: float | None
+    jitter: float | None = None  #: each occurrence starts up to this much later (seconds)
+    on_failure: FailureHook | None = None  #: called once a run has failed for good
+    on_failure_every_attempt: bool = False  #: called after every attempt that failed or timed out instead
 
 
 def _options(job: str, given: dict[str, Any]) -> _Options:
@@ -5374,10 +5490,9 @@ def _options_read(given: tuple[tuple[str, str, Any], ...]) -> _Options:
 
 
 def _read_options(job: str, given: dict[str, Any]) -> _Options:
-    known = {"timeout", "overlap", "lease", "retries", "retry_delay", "max_attempts", "grace", "catch_up"}
     for key in given:
-        if key not in known:
-            raise ConfigError(f"unknown option (known: {', '.join(sorted(known))})", job=job, option=key)
+        if key not in _KNOWN_OPTIONS:
+            raise ConfigError(f"unknown option (known: {', '.join(sorted(_KNOWN_OPTIONS))})", job=job, option=key)
 
     def duration(key: str, default: DurationLike | None) -> float | None:
         value = given.get(key, default)
@@ -5389,9 +5504,6 @@ def _read_options(job: str, given: dict[str, Any]) -> _Options:
             raise ConfigError(f"must be an integer >= {low}, got {value!r}", job=job, option=key)
         return value
 
-    overlap = given.get("overlap", "skip")
-    if overlap not in _OVERLAP:
-        raise ConfigError(f"must be 'skip' or 'allow', got {overlap!r}", job=job, option="overlap")
     lease = duration("lease", "30s") or 30.0
     if lease < _MIN_LEASE:
         raise ConfigError(
@@ -5400,16 +5512,44 @@ def _read_options(job: str, given: dict[str, Any]) -> _Options:
             job=job,
             option="lease",
         )
+    jitter = parse_duration(given.get("jitter", 0), job=job, option="jitter", allow_zero=True)
     return _Options(
         timeout=duration("timeout", None),
-        overlap=overlap,
+        overlap=_overlap(job, given.get("overlap", "skip")),
         lease=lease,
         retries=count("retries", 0, 0),
         retry_delay=duration("retry_delay", "1s") or 1.0,
         max_attempts=count("max_attempts", 10, 1),
         grace=duration("grace", "10s") or 10.0,
         catch_up=duration("catch_up", None),
+        jitter=jitter if round(jitter * 1000) else None,  # (zero, or under a millisecond: none)
+        **_failure_options(job, given),
     )
+
+
+def _overlap(job: str, value: object) -> int | None:
+    """How many runs of the job may be unfinished at once, from ``overlap``: ``"skip"`` (1),
+    ``"allow"`` (no limit) or a number >= 1 (not a bool: ``True`` is an int)."""
+    if isinstance(value, str) and value in _OVERLAP:
+        return _OVERLAP[value]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ConfigError(f"must be 'skip', 'allow' or a number of runs >= 1, got {value!r}", job=job, option="overlap")
+
+
+def _failure_options(job: str, given: dict[str, Any]) -> dict[str, Any]:
+    """``on_failure`` (a callable, sync or async, given a ``RunRecord``) and whether it is called
+    after every failed attempt (a bool, and only with ``on_failure``)."""
+    hook, every = given.get("on_failure"), given.get("on_failure_every_attempt", False)
+    if hook is not None and not callable(hook):
+        raise ConfigError(
+            f"must be callable (given the failed run's RunRecord), not {hook!r}", job=job, option="on_failure"
+        )
+    if not isinstance(every, bool):
+        raise ConfigError(f"must be True or False, got {every!r}", job=job, option="on_failure_every_attempt")
+    if every and hook is None:
+        raise ConfigError("is set without an on_failure to call", job=job, option="on_failure_every_attempt")
+    return {"on_failure": hook, "on_failure_every_attempt": every}
 
 
 @dataclasses.dataclass
@@ -5426,7 +5566,15 @@ class _Job:
     _logger: logging.Logger | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.definition = self.definition or self.schedule.description
+        self.schedule = _with_jitter(self.name, self.schedule, self.options.jitter)
+        self.definition = self.definition or self.description
+
+    @property
+    def description(self) -> str:
+        """The schedule as the store keeps it and ``status`` shows it: with its jitter, and its
+        overlap when that is a number of runs other than one."""
+        overlap = self.options.overlap
+        return self.schedule.description + (f" overlap {overlap}" if overlap not in (None, 1) else "")
 
     @property
     def logger(self) -> logging.Logger:
@@ -5457,7 +5605,26 @@ def _cron(name: str, expr: str, tz: Zone) -> _Cron:
     return _Cron(expr, _zone(tz, name), name)
 
 
-def _is_async(function: Handler) -> bool:
+def _with_jitter(job: str, schedule: _Schedule, jitter: float | None) -> _Schedule:
+    """``schedule`` with its starts delayed by up to ``jitter`` seconds; ``ConfigError`` for a
+    jitter that cannot apply: on ``@reboot`` (no occurrence on a clock), or not shorter than an
+    interval (every delay would be cut to the interval: surely a mistake)."""
+    if jitter is None or isinstance(schedule, _Jittered):
+        return schedule
+    if isinstance(schedule, _OnStart):
+        raise ConfigError(
+            "@reboot jobs run when a group of processes starts: there is no time to delay", job=job, option="jitter"
+        )
+    if isinstance(schedule, _Every) and round(jitter * 1000) >= schedule.interval:
+        raise ConfigError(
+            f"must be shorter than the interval ({format_duration(schedule.interval / 1000)}), got {format_duration(jitter)}",
+            job=job,
+            option="jitter",
+        )
+    return _Jittered(schedule, jitter, job)
+
+
+def _is_async(function: Callable[..., Any]) -> bool:
     """Whether calling ``function`` returns a coroutine (async functions, partials of them, and
     objects whose ``__call__`` is async)."""
     if inspect.iscoroutinefunction(function):
@@ -5563,7 +5730,7 @@ class _Declarations:
     def agree_on(self, name: str, text: str) -> None:
         """Make ``text`` part of what every process must declare alike for job ``name``."""
         job = self.job(name)
-        job.definition = f"{job.schedule.description}: {text}"
+        job.definition = f"{job.description}: {text}"
         self.version += 1
 
     def rows(self, now: int) -> list[_Declared]:
@@ -5573,8 +5740,8 @@ class _Declarations:
         return [
             _Declared(
                 job.name,
-                job.schedule.description,
-                job.schedule.start(now),
+                job.description,
+                job.schedule.watermark(now),
                 None,
                 job.definition,
                 self.instance,
@@ -5909,6 +6076,7 @@ class JobStatus:
     undeclared: bool = False  # no running process declares it (removed from a crontab, renamed in code)
     last_status: str | None = None  # the status of its newest record (``running`` while that one runs)
     last_at: _dt.datetime | None = None  # when that record's attempt started (or its occurrence was due)
+    next_start: _dt.datetime | None = None  # when the next occurrence starts: ``next_at`` and its jitter
 
     @property
     def state(self) -> str:
@@ -5921,7 +6089,7 @@ class JobStatus:
         done = self.schedule.startswith("at ") and self.next_at is None and not self.runs
         return "done" if done else "active"
 
-    def _fill(self, row: _JobStatusRow, following: int | None, runs: tuple[RunInfo, ...]) -> None:
+    def _fill(self, row: _JobStatusRow, following: int | None, runs: tuple[RunInfo, ...], start: int | None) -> None:
         # (Filled in directly: a frozen dataclass's __init__ sets each field through
         # object.__setattr__, 2 us an object, a third of a status of 10,000 jobs.)
         self.__dict__.update(
@@ -5935,7 +6103,20 @@ class JobStatus:
             undeclared=bool(row.undeclared),
             last_status=row.last_status,
             last_at=None if row.last_at is None else _utc_from_ms(row.last_at),
+            next_start=None if start is None else _utc_from_ms(start),
         )
+
+
+def _stored_schedule(row: _JobStatusRow) -> _Schedule:
+    """What a job's stored description tells of its starts, for ``status`` in a process that does
+    not declare it: its jitter, when it has one (else any schedule will do: the start is the slot)."""
+    if " jitter " in row.schedule:
+        with contextlib.suppress(ConfigError):
+            return _schedule_from(row.schedule, row.name)
+    return _NO_DELAY
+
+
+_NO_DELAY = _OnStart()  # (a schedule whose ``start_of`` is the slot, for ``_stored_schedule``)
 
 
 def _run_info(row: _RunRow, now: float) -> RunInfo:
@@ -6060,6 +6241,7 @@ def _set_result(future: asyncio.Future[Any], result: Any) -> None:
 
 
 _ABORT_STATUS = {Shutdown: "interrupted", Cancelled: "cancelled", RunTimeout: "timed_out"}
+_FAILED = ("failed", "timed_out")  # the ends of an attempt that ``on_failure`` is told of
 
 
 def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Outcome:
@@ -6086,6 +6268,11 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
     if isinstance(exc, _PlainFailure):
         return _Outcome("failed", _safe_text(exc), retryable=True, output=output)
     return _Outcome("failed", _error_text(exc), retryable=True, output=output, said=_said(exc))
+
+
+async def _call_async(hook: FailureHook, record: RunRecord) -> None:
+    """An async ``on_failure`` called in its task (so what even the call raises is the task's)."""
+    await cast("Awaitable[object]", hook(record))
 
 
 def _said(exc: BaseException) -> str:
@@ -6243,6 +6430,7 @@ class _Runner:
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
         self.tasks: set[asyncio.Task[None]] = set()  #: one per running attempt
+        self.hooks: set[asyncio.Future[Any]] = set()  #: ``on_failure`` calls still running
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
         self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  #: attempts' ends waiting to be written
@@ -6310,6 +6498,8 @@ class _Runner:
             task.cancel()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=1.0)
+        if self.hooks:  # the failures just told (a mail being sent)
+            await asyncio.wait(set(self.hooks), timeout=_HURRIED)
 
     def join_threads(self, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds each) for the heartbeat and timer threads of the last
@@ -6320,7 +6510,7 @@ class _Runner:
 
     def longest_drain(self) -> float:
         """The seconds ``drain()`` takes at most."""
-        return self.grace + 0.1 + _HURRIED + 1.0
+        return self.grace + 0.1 + _HURRIED + 1.0 + _HURRIED
 
     async def _run(self, attempt: _Attempt) -> None:
         assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
@@ -6432,9 +6622,10 @@ class _Runner:
             then, not_before = _AfterEnd.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         self._events.end(attempt, outcome, duration, then)
+        written = False
         for tries in range(60):
             try:
-                await self._finish(end)
+                written = await self._finish(end)
                 break
             except Exception as exc:  # noqa: BLE001 - a StoreError passes; anything else is this end's own
                 if not isinstance(exc, StoreError):  # the end as bare as can be: its status alone
@@ -6450,8 +6641,55 @@ class _Runner:
                     exc,
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
+        if written and end.status in _FAILED:
+            self._ended_failed(attempt.job, end)
         if then is not _AfterEnd.DONE:
             self._poke()
+
+    def _ended_failed(self, job: _Job, end: _End) -> None:
+        """This process wrote the end of a failed or timed-out attempt (fenced: no other process
+        wrote it): tell ``on_failure`` when it made the run failed for good, or of every attempt
+        when asked to."""
+        if end.then is _AfterEnd.DONE or job.options.on_failure_every_attempt:
+            claim = end.claim
+            started, finished = _dt_or_none(claim.started_at), _utc_from_ms(end.now_ms)
+            record = RunRecord(
+                claim.job,
+                claim.slot,
+                claim.attempt,
+                end.status,
+                self._instance,
+                started,
+                finished,
+                end.error,
+                end.output,
+            )
+            self.tell_failure(job, record)
+
+    def tell_failure(self, job: _Job, record: RunRecord) -> None:
+        """Call ``job``'s ``on_failure`` with ``record`` (an async one as a task, a plain one in a
+        thread, so that neither holds up the scheduler); what it raises is logged, never raised."""
+        hook = job.options.on_failure
+        if hook is None:
+            return
+        loop = asyncio.get_running_loop()
+        call = (
+            loop.create_task(_call_async(hook, record)) if _is_async(hook) else loop.run_in_executor(None, hook, record)
+        )
+        self.hooks.add(call)
+        call.add_done_callback(functools.partial(self._hook_done, job.name, record))
+
+    def _hook_done(self, job: str, record: RunRecord, call: asyncio.Future[Any]) -> None:
+        self.hooks.discard(call)
+        exc = None if call.cancelled() else call.exception()
+        if exc is not None:
+            _log.error(
+                "%s slot %s: on_failure raised: %s",
+                job,
+                record.slot,
+                _said(exc),
+                exc_info=(type(exc), exc, exc.__traceback__),
+            )
 
     async def _finish(self, end: _End) -> bool:
         """Write an attempt's end. The ends of attempts that finish together are written in one
@@ -6524,7 +6762,7 @@ class _Agenda:
         if job is None or row.paused:
             return None
         due = job.next_due(row.last_slot, row.next_slot if row.definition == job.definition else None)
-        return None if due is None else ((due, row.name), (job, row))
+        return None if due is None else ((job.schedule.start_of(due), row.name), (job, row))
 
     def current(self, jobs: dict[str, _Job]) -> bool:
         """Whether it was made for these declarations."""
@@ -6551,8 +6789,8 @@ class _Agenda:
         return self._keys[0] if self._keys else None
 
     def ready(self, now_ms: int, wait: float) -> tuple[list[tuple[_Job, _JobRow]], float]:
-        """The jobs with an occurrence due by ``now_ms`` (each with its row), and the seconds until
-        the next occurrence of the others is due, at most ``wait``."""
+        """The jobs with an occurrence due by ``now_ms`` (its start: its time and its jitter; each
+        with its row), and the seconds until the next occurrence of the others is due, at most ``wait``."""
         count = bisect.bisect_left(self._keys, (now_ms + 1,))
         if count < len(self._keys):
             wait = min(wait, (self._keys[count][0] - now_ms) / 1000)
@@ -6564,25 +6802,30 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
 
     Of the occurrences found due in one look only the newest may run; the older ones are recorded
     as missed (at most ``_MISSED_RECORDS`` records, the last saying how many more). The newest runs
-    when it is on time (found no later than ``_ON_TIME`` after its time, so that a quick restart
+    when it is on time (found no later than ``_ON_TIME`` after its start, so that a quick restart
     loses nothing), or, after downtime (no process was running, or the clock jumped forward), when
-    it is younger than ``catch_up``.
+    it is younger than ``catch_up``. An occurrence is due, on time or late by its start: its time
+    plus its jitter.
     """
     schedule = job.schedule
+    start = schedule.start_of
     older: list[int] = []
     count = 0
     newest: int | None = None
     jumped = False
     cursor = job.next_due(last_slot)
-    while cursor is not None and cursor <= now_ms:
+    while cursor is not None and start(cursor) <= now_ms:
         if newest is not None:
             count += 1
             if len(older) < _MISSED_RECORDS + 1:
                 older.append(newest)
         newest = cursor
-        if len(older) > _MISSED_RECORDS and isinstance(schedule, _Every):
-            skip = (now_ms - cursor) // schedule.interval
-            cursor += skip * schedule.interval
+        every = schedule.plain
+        if len(older) > _MISSED_RECORDS and isinstance(every, _Every):
+            skip = (now_ms - cursor) // every.interval
+            if skip and start(cursor + skip * every.interval) > now_ms:  # (the last one's start is still to come)
+                skip -= 1
+            cursor += skip * every.interval
             count += skip
             newest = cursor
         elif count > 20_000 and not jumped:  # a calendar schedule across years of outage
@@ -6591,8 +6834,8 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
             continue
         cursor = schedule.next_after(cursor)
     assert newest is not None, "called with nothing due"
-    catch_up = job.options.catch_up
-    run = now_ms - newest <= _ms(_ON_TIME) or (catch_up is not None and now_ms - newest <= catch_up * 1000)
+    catch_up, late = job.options.catch_up, now_ms - start(newest)
+    run = late <= _ms(_ON_TIME) or (catch_up is not None and late <= catch_up * 1000)
     if not run:
         count += 1
         older.append(newest)
@@ -6602,7 +6845,6 @@ def _plan_due(job: _Job, last_slot: int, now_ms: int) -> _Plan:
 def _due(job: _Job, last_slot: int, now_ms: int) -> _Due:
     """What the store is to record for ``job``'s occurrences after ``last_slot`` due by now."""
     plan = _plan_due(job, last_slot, now_ms)
-    skip = job.options.overlap == "skip"
     return _Due(
         job.name,
         last_slot,
@@ -6610,7 +6852,7 @@ def _due(job: _Job, last_slot: int, now_ms: int) -> _Due:
         plan.next_slot,
         plan.missed,
         plan.run,
-        skip,
+        job.options.overlap,
         job.options.lease,
         plan.missed_count,
     )
@@ -6867,6 +7109,14 @@ _FULL_READ = 600.0  # seconds between reads of every job row (between them, only
 # thousands of occurrences a minute, each look fires several together instead of one at a time.
 _LOOK_GAP = 0.02
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
+
+
+def _skipped(job: _Job) -> str:
+    """Why an occurrence of ``job`` was skipped, for its log line."""
+    overlap = job.options.overlap
+    if overlap == 1:
+        return "skipped: the job's previous run is unfinished (overlap skip)"
+    return f"skipped: {overlap} runs of the job are unfinished (overlap {overlap})"
 
 
 class _Loop:
@@ -7293,8 +7543,7 @@ class _Loop:
             if isinstance(claim, _Claim):
                 self.runner.start(job, claim)
             elif item.run:
-                what = "skipped: the job's previous run is unfinished (overlap skip)"
-                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, what, status="skipped")
+                self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, _skipped(job), status="skipped")
         return moved
 
     async def _consider(self, run: _RunRow, now_ms: int, watch: _Changes) -> float | None:
@@ -7336,11 +7585,14 @@ class _Loop:
                 options.lease,
                 now_ms,
                 options.max_attempts,
-                options.overlap == "skip",
+                options.overlap,
                 reason,
                 owner_gone=gone is not None,
             )
         )
+        if isinstance(claim, RunRecord):  # it reached max_attempts: this process ended it failed for good
+            self.runner.tell_failure(job, claim)
+            return 0.0
         if claim is not None:
             if run.state == "running":
                 what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
@@ -7623,12 +7875,12 @@ class Scheduler:
     def describe(self, name: str) -> str:
         """Job ``name``'s schedule as the store keeps it and ``status`` shows it (``every 1h``,
         ``cron 0 3 * * * Europe/Athens``, ``@reboot``); ``JobNotFound`` if not declared here."""
-        return self._declared.job(name).schedule.description
+        return self._declared.job(name).description
 
     def zone(self, name: str) -> _dt.tzinfo:
         """The zone job ``name``'s occurrences are reckoned in: its cron or rrule zone; the local
         zone for an interval or ``@reboot``. ``JobNotFound`` if not declared here."""
-        schedule = self._declared.job(name).schedule
+        schedule = self._declared.job(name).schedule.plain
         return schedule.zone if isinstance(schedule, _Calendar) else _local_zone()
 
     def replace_jobs(self, source: Scheduler) -> None:
@@ -7752,12 +8004,14 @@ class Scheduler:
         result = []
         for row in jobs:
             declared = self._declared.jobs.get(row.name)
+            schedule = _stored_schedule(row) if declared is None else declared.schedule
             following = row.next_slot if declared is None else declared.next_due(row.last_slot)
-            if declared is not None and following is not None and following <= now_ms:  # due: the one after now
-                following = declared.schedule.next_after(now_ms)
+            if declared is not None and following is not None and schedule.start_of(following) <= now_ms:
+                following = schedule.next_after(now_ms)  # due: the one after now
+            start = None if following is None else schedule.start_of(following)
             mine = runs_of.get(row.name)
             status = object.__new__(JobStatus)
-            status._fill(row, following, () if mine is None else tuple(_run_info(r, now_wall) for r in mine))
+            status._fill(row, following, () if mine is None else tuple(_run_info(r, now_wall) for r in mine), start)
             result.append(status)
         return result
 
@@ -8575,7 +8829,8 @@ class StatusPage(_PageServer):
         rows = []
         for job in shown:
             href = _job_href(job.name)
-            following = None if job.paused or job.undeclared else job.next_at
+            # (when the next occurrence starts, its jitter included, as ``status`` shows it)
+            following = None if job.paused or job.undeclared else job.next_start or job.next_at
             last = "".join(
                 f'<span class=mark style="background:{_WEB_COLOURS.get(r.status, "#555")}" title="{_html(r.status)}"></span>'
                 for r in reversed(marks.get(job.name, []))
@@ -8919,7 +9174,9 @@ def command_handler(
     process dies. The run ends when the shell exits; what it leaves in its group is ended and the
     output says so. An abort (timeout, cancel, shutdown) sends SIGTERM to the group, then SIGKILL
     after 5 s. A non-zero exit raises ``CommandFailed``; the handler returns the end of the
-    output (kept with the record). ``on_failure``: a command run after an attempt that failed.
+    output (kept with the record). ``on_failure``: a command run after every attempt that failed
+    or timed out (the crontab runs its ``# on_failure:`` command as the job's ``on_failure``
+    instead: once, when the run has failed for good).
     """
     extra = {} if env is None else dict(env)
 
@@ -8928,7 +9185,9 @@ def command_handler(
 
     def after_failure(ctx: RunContext, status: str, code: int | None, output: str) -> None:
         if on_failure is not None:
-            task = asyncio.ensure_future(_run_on_failure(on_failure, extra, ctx, status, code, output))
+            error = _exit_text(code) if status == "failed" and code is not None else status
+            record = RunRecord(ctx.job, ctx.slot, ctx.attempt, status, ctx.instance, None, None, error, output)
+            task = asyncio.ensure_future(_run_on_failure(on_failure, extra, record, code))
             hooks.add(task)
             task.add_done_callback(hooks.discard)
 
@@ -9016,22 +9275,43 @@ _GROUP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for an aborted command
 _ON_FAILURE_TIMEOUT = 60.0  # seconds an on_failure command may take before its group is ended
 
 
-async def _run_on_failure(
-    command: str, env: dict[str, str], ctx: RunContext, status: str, code: int | None, output: str
-) -> None:
-    """Run a crontab entry's ``on_failure`` command: the failed attempt in its environment, the
+def _failure_command(command: str, env: dict[str, str]) -> Callable[[RunRecord], Awaitable[None]]:
+    """A crontab entry's ``# on_failure: COMMAND``, as the job's ``on_failure``."""
+
+    async def run(record: RunRecord) -> None:
+        await _run_on_failure(command, env, record, _exit_code(record.error))
+
+    return run
+
+
+def _exit_code(error: str | None) -> int | None:
+    """The exit code an ``_exit_text`` says (``exit code 3``: 3; ``killed by SIGTERM``: -15), or None."""
+    said = re.fullmatch(r"exit code (-?[0-9]+)|killed by (?:SIG([A-Z0-9]+)|signal ([0-9]+))", error or "")
+    if said is None:
+        return None
+    code, name, number = said.groups()
+    if code is not None:
+        return int(code)
+    return -int(number) if number is not None else -int(getattr(signal, f"SIG{name}", 0))
+
+
+async def _run_on_failure(command: str, env: dict[str, str], record: RunRecord, code: int | None) -> None:
+    """Run a crontab entry's ``on_failure`` command: the failed run in its environment, its
     output's tail on its stdin, ended after ``_ON_FAILURE_TIMEOUT``; what goes wrong is logged."""
+    where = {"job": record.job, "slot": record.slot, "attempt": record.attempt}
+    log = _JobLog(logging.getLogger(f"anarchon_lite.job.{record.job}"), where)
     variables = {
         **os.environ,
         **env,
-        "ANARCHON_JOB": ctx.job,
-        "ANARCHON_SLOT": str(ctx.slot),
-        "ANARCHON_ATTEMPT": str(ctx.attempt),
-        "ANARCHON_SCHEDULED_AT": ctx.scheduled_at.isoformat(),
-        "ANARCHON_STATUS": status,
+        "ANARCHON_JOB": record.job,
+        "ANARCHON_SLOT": str(record.slot),
+        "ANARCHON_ATTEMPT": str(record.attempt),
+        "ANARCHON_SCHEDULED_AT": record.scheduled_at.isoformat(),
+        "ANARCHON_STATUS": record.status,
         "ANARCHON_EXIT_CODE": "" if code is None else str(code),
-        "ANARCHON_ERROR": _exit_text(code) if status == "failed" and code is not None else status,
+        "ANARCHON_ERROR": record.error or record.status,
     }
+    output = record.output or ""
     try:
         proc = await asyncio.create_subprocess_exec(
             env.get("SHELL", "/bin/sh"),
@@ -9044,18 +9324,18 @@ async def _run_on_failure(
             start_new_session=True,
         )
     except OSError as exc:
-        ctx.log.warning("on_failure: cannot start %r: %s", command, exc)
+        log.warning("on_failure: cannot start %r: %s", command, exc)
         return
     try:
         said, _ = await asyncio.wait_for(proc.communicate(output.encode(errors="replace")), _ON_FAILURE_TIMEOUT)
     except asyncio.TimeoutError:
         _kill_group(proc.pid, signal.SIGKILL)
         await proc.wait()
-        ctx.log.warning("on_failure: %r did not end within %s: ended", command, format_duration(_ON_FAILURE_TIMEOUT))
+        log.warning("on_failure: %r did not end within %s: ended", command, format_duration(_ON_FAILURE_TIMEOUT))
         return
     if proc.returncode != 0:
         tail = said.decode(errors="replace").strip()[-500:]
-        ctx.log.warning("on_failure: %r: %s%s", command, _exit_text(proc.returncode or 0), f": {tail}" if tail else "")
+        log.warning("on_failure: %r: %s%s", command, _exit_text(proc.returncode or 0), f": {tail}" if tail else "")
 
 
 async def _end_previous_group(ctx: RunContext, me: _Owner) -> None:
@@ -9295,12 +9575,15 @@ _CRONTAB_OPTIONS = (
     "lease",
     "grace",
     "max_attempts",
+    "jitter",
     "on_failure",  # (the rest of its comment line: a command)
+    "on_failure_every_attempt",  # (the same, run after every failed attempt)
 )
 _OPTION_COMMENT = re.compile(r"#\s*(" + "|".join(_CRONTAB_OPTIONS) + r")\s*:", re.IGNORECASE)
 _OPTION_PAIR = re.compile(r"(\w+)\s*:\s*([^\s,]+)")
 _ENV_LINE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(.*)$")
-_ON_FAILURE = re.compile(r"#\s*on_failure\s*:\s*(\S.*)$", re.IGNORECASE)
+_ON_FAILURE = re.compile(r"#\s*(on_failure(?:_every_attempt)?)\s*:\s*(\S.*)$", re.IGNORECASE)
+_COUNTS = ("retries", "max_attempts", "overlap")  # the options whose digits are a number
 
 
 class CrontabError(ConfigError):
@@ -9320,7 +9603,8 @@ class _CrontabEntry:
     command: str
     env: dict[str, str]
     options: dict[str, Any]
-    on_failure: str | None = None  # a command run after an attempt failed or timed out
+    on_failure: str | None = None  # a command run after the run failed for good (or every failed attempt)
+    every_attempt: bool = False  # whether ``on_failure`` runs after every failed or timed-out attempt
 
 
 def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
@@ -9364,7 +9648,7 @@ def _parse_crontab(text: str, path: str) -> list[_CrontabEntry]:
 def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
     hook = _ON_FAILURE.match(line)
     if hook:
-        return {"on_failure": hook.group(1).strip()}
+        return {hook.group(1).lower(): hook.group(2).strip()}
     options: dict[str, Any] = {}
     left = _OPTION_PAIR.sub(" ", line.lstrip("#")).replace(",", " ").split()
     if left:
@@ -9378,7 +9662,7 @@ def _option_comment(line: str, path: str, number: int) -> dict[str, Any]:
         key = key.lower()
         if key not in _CRONTAB_OPTIONS:
             raise CrontabError(path, number, f"unknown option {key!r} (known: {', '.join(_CRONTAB_OPTIONS)})")
-        options[key] = int(value) if key in ("retries", "max_attempts") and _DIGITS.match(value) else value
+        options[key] = int(value) if key in _COUNTS and _DIGITS.match(value) else value
     return options
 
 
@@ -9407,8 +9691,10 @@ def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], optio
         raise CrontabError(path, number, problem)
     digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
     name = str(options.pop("name", None) or f"{kind}-{digest}")
-    on_failure = options.pop("on_failure", None)
-    return _CrontabEntry(number, name, kind, spec, command, env, options, on_failure)
+    once, every = options.pop("on_failure", None), options.pop("on_failure_every_attempt", None)
+    if once is not None and every is not None:
+        raise CrontabError(path, number, "on_failure and on_failure_every_attempt are both given: keep one")
+    return _CrontabEntry(number, name, kind, spec, command, env, options, once or every, every is not None)
 
 
 _ARG_LIMIT = 131072  # bytes in one argument of execve on Linux (MAX_ARG_STRLEN), the terminating NUL included
@@ -9455,15 +9741,19 @@ def _find_program(name: str, path: str) -> str | None:
 
 def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
     for entry in entries:
-        handler = command_handler(entry.command, entry.env, entry.on_failure)
+        handler = command_handler(entry.command, entry.env)
+        options = dict(entry.options)
+        if entry.on_failure is not None:
+            options["on_failure"] = _failure_command(entry.on_failure, entry.env)
+            options["on_failure_every_attempt"] = entry.every_attempt
         try:
             if entry.kind == "every":
-                scheduler.every(entry.name, entry.spec, handler, **entry.options)
+                scheduler.every(entry.name, entry.spec, handler, **options)
             elif entry.kind == "reboot":
-                scheduler.on_start(entry.name, handler, **entry.options)
+                scheduler.on_start(entry.name, handler, **options)
             else:
                 tz = entry.env.get("CRON_TZ") or entry.env.get("TZ") or None
-                scheduler.cron(entry.name, entry.spec, handler, tz=tz, **entry.options)
+                scheduler.cron(entry.name, entry.spec, handler, tz=tz, **options)
         except ConfigError as exc:
             raise CrontabError(path, entry.line, str(exc)) from None
         scheduler.agree_on(entry.name, entry.command)
@@ -9497,7 +9787,7 @@ def _zone_of(schedule: str, local: _dt.tzinfo) -> _dt.tzinfo:
     description), else ``local``."""
     if schedule.startswith(("cron ", "rrule ")):
         with contextlib.suppress(zoneinfo.ZoneInfoNotFoundError, ValueError):
-            return zoneinfo.ZoneInfo(schedule.rsplit(" ", 1)[-1])
+            return zoneinfo.ZoneInfo(_described(schedule)[0].rsplit(" ", 1)[-1])
     return local
 
 
@@ -9559,7 +9849,7 @@ def _print_status(jobs: list[JobStatus], processes: list[ProcessInfo], as_json: 
     below: dict[int, list[str]] = {}
     for job in jobs:
         zone = _UTC if utc else _zone_of(job.schedule, local)
-        following = None if job.paused or job.undeclared else job.next_at
+        following = None if job.paused or job.undeclared else job.next_start or job.next_at  # (with its jitter)
         rows.append(
             [
                 job.name,
@@ -9605,6 +9895,7 @@ def _status_json(job: JobStatus) -> dict[str, Any]:
         "definition": job.definition,
         "declared_by": job.declared_by,
         "next_at": job.next_at.isoformat() if job.next_at else None,
+        "next_start": job.next_start.isoformat() if job.next_start else None,
         "last": None if job.last_at is None else {"status": job.last_status, "at": job.last_at.isoformat()},
         "runs": [
             {
@@ -9685,25 +9976,21 @@ def _show(control: Control, job: str, slot: str | None, as_json: bool) -> None:
     _print_records(chosen, as_json)
 
 
-def _schedule_from(description: str, job: str) -> _Schedule:
-    """The schedule a stored description names (``every 1h``, ``cron 0 3 * * * UTC``, ``rrule
-    FREQ=DAILY Europe/Paris``, ``@reboot``): for the command line, which has no declarations."""
-    kind, _, rest = description.partition(" ")
-    if kind == "every":
-        interval, _, offset = rest.partition(" offset ")
-        return _Every(
-            parse_duration(interval, option="every"), parse_duration(offset, option="offset") if offset else 0.0
-        )
-    if kind in ("cron", "rrule"):
-        text, _, zone = rest.rpartition(" ")
-        return _Cron(text, _zone(zone, job), job) if kind == "cron" else _RRule(text, _zone(zone, job), job)
-    if description == _OnStart.description:
-        return _OnStart()
-    raise ConfigError(f"cannot read the stored schedule {description!r}", job=job)
+def _starting(schedule: _Schedule, now_ms: int, count: int) -> list[tuple[_dt.datetime, _dt.datetime]]:
+    """The next ``count`` occurrences of ``schedule`` that start after ``now_ms``: (time, start)."""
+    found: list[tuple[_dt.datetime, _dt.datetime]] = []
+    cursor = schedule.next_after(now_ms - (schedule.jitter if isinstance(schedule, _Jittered) else 0))
+    while cursor is not None and len(found) < count:
+        start = schedule.start_of(cursor)
+        if start > now_ms:  # (an occurrence passed may start later; the one before it has started)
+            found.append((_utc_from_ms(cursor), _utc_from_ms(start)))
+        cursor = schedule.next_after(cursor)
+    return found
 
 
 def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> None:
-    """The next ``count`` occurrences of each job (as ``systemd-analyze calendar`` lists them)."""
+    """The next ``count`` occurrences of each job (as ``systemd-analyze calendar`` lists them): the
+    time of each, and how much later it starts (its jitter); ``in`` counts to its start."""
     now, local = time.time(), _local_zone()
     shown = []
     for job in jobs:
@@ -9712,9 +9999,18 @@ def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> 
         except ConfigError as exc:  # (that job's alone: say why, and list the others)
             print(f"anarchon-lite: {exc}", file=sys.stderr)
             continue
-        shown.append((job, schedule.following(_ms(now), count)))
+        shown.append((job, _starting(schedule, _ms(now), count)))
     if as_json:
-        print(json.dumps([{"name": j.name, "state": j.state, "next": [t.isoformat() for t in ts]} for j, ts in shown]))
+        listed = [
+            {
+                "name": j.name,
+                "state": j.state,
+                "next": [t.isoformat() for t, _ in ts],
+                "start": [s.isoformat() for _, s in ts],
+            }
+            for j, ts in shown
+        ]
+        print(json.dumps(listed))
         return
     for number, (job, times) in enumerate(shown):
         zone = _UTC if utc else _zone_of(job.schedule, local)
@@ -9724,10 +10020,12 @@ def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> 
             print("  (from the stored rule, which keeps no DTSTART: Scheduler.upcoming() in the process is exact)")
         if not times:
             print("  never" if job.schedule != _OnStart.description else "  when a group of processes starts")
-        for n, moment in enumerate(times, 1):
+        for n, (moment, start) in enumerate(times, 1):
             here, there = _when(moment, zone), _when(moment, _UTC)
             utc_too = "" if here == there else f"  ({there})"
-            print(f"  {n:>3}  {here}{utc_too}  in {_span(moment.timestamp() - now)}")
+            delay = (start - moment).total_seconds()
+            jitter = f"  (+{_span(delay)} jitter)" if delay else ""
+            print(f"  {n:>3}  {here}{utc_too}{jitter}  in {_span(start.timestamp() - now)}")
 
 
 def _check_crontab(path: str) -> None:

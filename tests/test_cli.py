@@ -629,6 +629,83 @@ def test_on_failure_runs_a_command_with_the_failed_attempt_and_its_output(store,
     assert "MAILTO is ignored" in (tmp_path / "daemon-0.log").read_text()
 
 
+def test_on_failure_runs_once_when_the_run_has_failed_for_good_or_after_every_attempt_when_asked(
+    store, tmp_path, daemons
+):
+    """With ``retries: 2`` a failing entry makes three attempts: its ``# on_failure:`` command runs
+    once, for the third (cron's MAILTO and systemd's OnFailure= tell once);
+    ``# on_failure_every_attempt:`` runs after each of the three."""
+    db, once, every = store, tmp_path / "once.txt", tmp_path / "every.txt"
+    crontab = tmp_path / "crontab"
+    told = 'echo "$ANARCHON_JOB $ANARCHON_ATTEMPT $ANARCHON_STATUS $ANARCHON_EXIT_CODE $(cat)"'
+    crontab.write_text(
+        "# name: backup, retries: 2, retry_delay: 100ms\n"
+        f"# on_failure: {told} >> {once}\n"
+        "@every 24h echo disk full; exit 5\n"
+        "# name: chatty, retries: 2, retry_delay: 100ms\n"
+        f"# on_failure_every_attempt: {told} >> {every}\n"
+        "@every 24h echo no; exit 6\n"
+    )
+    daemons.start("--db", db, "crontab", str(crontab))
+    wait_until(lambda: listed(db, "chatty"), what="registered")
+    cli(db, "trigger", "chatty")
+    wait_until(lambda: every.exists() and len(every.read_text().splitlines()) == 3, what="three notices")
+    cli(db, "trigger", "backup")
+    wait_until(lambda: once.exists() and once.read_text().strip(), what="the notice")
+    # (A notice of attempt 1 or 2 would have come before the third's: their ends were written first.)
+    assert once.read_text().splitlines() == ["backup 3 failed 5 disk full"]
+    assert [r["attempt"] for r in history(db, "backup") if r["status"] == "failed"] == [3, 2, 1]
+    assert every.read_text().splitlines() == [f"chatty {n} failed 6 no" for n in (1, 2, 3)]
+
+
+def test_crontab_reads_jitter_and_a_number_of_overlapping_runs_and_refuses_both_notice_forms(tmp_path):
+    crontab = tmp_path / "crontab"
+    crontab.write_text("CRON_TZ=UTC\n# name: nightly, jitter: 30m, overlap: 3\n0 3 * * * true\n")
+    done = anarchon("crontab", "--check", str(crontab))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{crontab}:3: nightly: cron 0 3 * * * UTC jitter 30m overlap 3: next ")
+    path = str(crontab)
+    bad_crontab(tmp_path, "# overlap: yes\n@hourly true\n", f"{path}:2:", "option 'overlap'")
+    bad_crontab(tmp_path, "# jitter: 2h\n@every 1h true\n", f"{path}:2:", "shorter than the interval")
+    both = "# on_failure: true\n# on_failure_every_attempt: true\n@hourly true\n"
+    bad_crontab(tmp_path, both, f"{path}:3:", "keep one")
+
+
+def test_status_and_next_show_when_a_jittered_occurrence_starts(store):
+    """``status`` shows the next start (the occurrence's time and its jitter) in NEXT and LEFT and
+    the jitter and overlap in SCHEDULE; ``next`` lists each occurrence's time and its delay."""
+    import asyncio
+    import datetime
+
+    import anarchon_lite
+    from anarchon_lite import Scheduler
+
+    db = store
+
+    async def declare():
+        s = Scheduler(db)
+        s.cron("nightly", "0 3 * * *", lambda ctx: None, tz="UTC", jitter="30m", overlap=3)
+        await s.status()
+
+    asyncio.run(declare())
+    (job,) = status_jobs(db)
+    assert job["schedule"] == "cron 0 3 * * * UTC jitter 30m overlap 3"
+    at = datetime.datetime.fromisoformat(job["next_at"])
+    schedule = anarchon_lite._Jittered(
+        anarchon_lite._Cron("0 3 * * *", datetime.timezone.utc, "nightly"), 1800, "nightly"
+    )
+    slot = int(at.timestamp() * 1000)
+    start = datetime.datetime.fromtimestamp(schedule.start_of(slot) / 1000, datetime.timezone.utc)
+    assert at.strftime("%H:%M:%S") == "03:00:00" and datetime.datetime.fromisoformat(job["next_start"]) == start
+    row = next(line for line in cli(db, "status", "--utc").stdout.splitlines() if line.startswith("nightly"))
+    assert start.strftime("%Y-%m-%d %H:%M:%S UTC") in row and "jitter 30m overlap 3" in row
+    listed_next = cli(db, "next", "-n", "2", "--utc").stdout.splitlines()
+    assert listed_next[0] == "nightly: cron 0 3 * * * UTC jitter 30m overlap 3"
+    assert all(" 03:00:00 UTC  (+" in line and " jitter)  in " in line for line in listed_next[1:]), listed_next
+    delay = (start - at).total_seconds()
+    assert f"(+{anarchon_lite._span(delay)} jitter)" in listed_next[1]
+
+
 def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(store, tmp_path, daemons):
     """`crontab --metrics-file PATH` keeps PATH a Prometheus text file for node_exporter (runs by
     status, newest times, running attempts, its renewal lateness); `status --prometheus` prints the

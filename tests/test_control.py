@@ -327,6 +327,40 @@ def test_max_attempts(db, lease_clock):
     run(main())
 
 
+def test_a_run_failed_for_good_by_max_attempts_on_takeover_is_told_once_by_the_process_that_ended_it(db, lease_clock):
+    """Attempt 1 stops renewing (frozen); the process that finds its lease run out ends the run
+    ``failed`` (max_attempts=1) and alone tells ``on_failure``; the frozen attempt's own end,
+    later, is refused and tells nothing."""
+    clock = lease_clock
+    told = {"b": [], "c": []}
+
+    async def main():
+        b = make(db, clock, instance="b")
+        gate = threading.Event()
+
+        def frozen(ctx):
+            gate.wait(5)
+            raise RuntimeError("woke up failed")  # (its end, were it written, would be told)
+
+        b.every("job", "24h", frozen, offset=QUIET, max_attempts=1, lease="1s", on_failure=told["b"].append)
+        c = make(db, clock, instance="c")
+        c.every("job", "24h", lambda ctx: None, offset=QUIET, max_attempts=1, lease="1s", on_failure=told["c"].append)
+        async with b:
+            await b.trigger("job")
+            await wait_for(lambda: b._loop.runner.running)
+            b._loop.heartbeats.stop()
+            async with c:
+                await expire(clock, 2)
+                await wait_for(lambda: told["c"], message="c tells of the failure")
+            gate.set()
+        (record,) = told["c"]
+        assert (record.attempt, record.status, record.instance) == (1, "failed", "b")
+        assert "max_attempts" in record.error
+        assert told["b"] == []  # (b's attempt failed after its run was ended: its end was refused, not told)
+
+    run(main())
+
+
 def test_transient_store_failures_do_not_stop_the_scheduler(db, caplog):
     failures = {"finish_many": 2, "renew_all": 2, "claim_due_many": 1}
 

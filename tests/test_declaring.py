@@ -4,6 +4,7 @@ numbers)."""
 
 import logging
 import sqlite3
+from datetime import timedelta
 
 import pytest
 from conftest import QUIET, counting_looks, faulty, run, wait_for
@@ -316,3 +317,47 @@ def test_what_a_front_end_of_its_own_needs_is_public(db):
             await wait_for(rejoined, message="b undeclared")
 
     run(main())
+
+
+# (No store in the next three: a bad declaration fails before any store is opened.)
+@pytest.mark.parametrize(
+    ("options", "option", "said"),
+    [
+        ({"jitter": -5}, "jitter", "must not be negative"),
+        ({"jitter": "1h"}, "jitter", "shorter than the interval"),
+        ({"jitter": "1x"}, "jitter", "cannot read duration"),
+        ({"overlap": True}, "overlap", "got True"),  # (True is an int, and no number of runs)
+        ({"overlap": 0}, "overlap", ">= 1"),
+        ({"overlap": "3"}, "overlap", "got '3'"),
+        ({"on_failure": "mail ops"}, "on_failure", "must be callable"),
+        ({"on_failure": print, "on_failure_every_attempt": 1}, "on_failure_every_attempt", "True or False"),
+        ({"on_failure_every_attempt": True}, "on_failure_every_attempt", "without an on_failure"),
+    ],
+)
+def test_bad_jitter_overlap_and_on_failure_name_the_job_and_the_option(options, option, said):
+    s = Scheduler(":memory:")
+    with pytest.raises(ConfigError, match=said) as info:
+        s.every("j", "1h", lambda ctx: None, **options)
+    assert (info.value.job, info.value.option) == ("j", option)
+    assert s.declared() == []
+
+
+def test_jitter_on_reboot_is_refused_and_zero_jitter_is_none():
+    s = Scheduler(":memory:")
+    with pytest.raises(ConfigError, match="no time to delay") as info:
+        s.on_start("boot", lambda ctx: None, jitter="5s")
+    assert (info.value.job, info.value.option) == ("boot", "jitter")
+    s.every("none", "1h", lambda ctx: None, jitter=0)
+    s.cron("nightly", "0 3 * * *", lambda ctx: None, tz="UTC", jitter="2h")  # (cut to each gap: a day)
+    assert s.describe("none") == "every 1h"
+    assert s.describe("nightly") == "cron 0 3 * * * UTC jitter 2h"
+
+
+def test_jitter_and_a_number_of_overlapping_runs_show_in_the_stored_schedule():
+    """What ``status`` shows in SCHEDULE (and what other processes must declare alike): the jitter,
+    and an overlap that is a number other than one (``overlap=1`` is ``"skip"``)."""
+    s = Scheduler(":memory:")
+    s.every("a", "1h", lambda ctx: None, jitter="30s", overlap=3)
+    s.every("b", "1h", lambda ctx: None, overlap=1)
+    s.every("c", "1h", lambda ctx: None, overlap="allow", jitter=timedelta(minutes=5))
+    assert [s.describe(name) for name in "abc"] == ["every 1h jitter 30s overlap 3", "every 1h", "every 1h jitter 5m"]

@@ -857,7 +857,7 @@ def test_a_renewal_committed_while_a_takeover_reads_the_run_is_never_overridden(
             url, "UPDATE runs SET lease_until = lease_until + 60 WHERE job = %s AND slot = %s", (claim.job, claim.slot)
         )
         try:
-            result = in_thread(lambda: other.claim(seen, "b", 30, 2000, 10, True, "lease expired"))
+            result = in_thread(lambda: other.claim(seen, "b", 30, 2000, 10, 1, "lease expired"))
             run(wait_for(lambda: waiting_on_a_lock(url) == 1, message="the takeover waits for the run's row"))
         finally:
             holder.commit()

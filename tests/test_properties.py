@@ -173,7 +173,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(target=claims, process=st.integers(0, 2))
     def claim_the_occurrence(self, process):
         got = self.stores[process].claim_due(
-            self.owners[process], 1, al._Due("job", 0, SLOT, SLOT + 1000, [], True, True, LEASE)
+            self.owners[process], 1, al._Due("job", 0, SLOT, SLOT + 1000, [], True, 1, LEASE)
         )
         if self.state != "none":
             assert got is al._NotClaimed.MOVED  # the watermark moved: someone claimed it first
@@ -208,7 +208,7 @@ class StoreMachine(RuleBasedStateMachine):
         lease is the model's as it was then: the store's compare-and-set never looks at the lease.)"""
         _, row, version, lease_until = seen
         assume(row is not None and (row.state == "pending" or lease_until < self.mono))
-        got = self.stores[process].claim(row, self.owners[process], LEASE, 1, 100, True, "lease expired")
+        got = self.stores[process].claim(row, self.owners[process], LEASE, 1, 100, 1, "lease expired")
         if version != self.version:
             assert got is None  # the row changed since it was seen: compare-and-set refuses
             return multiple()

@@ -20,6 +20,7 @@ from schedulers import (
     statuses,
 )
 
+import anarchon_lite
 from anarchon_lite import (
     ConfigError,
     RunTimeout,
@@ -580,3 +581,236 @@ def test_sync_checkpoint_calls_from_an_async_handler_fail_at_once(db):
         assert await s.checkpoints.get("wrong-door", slot) == 2
 
     run(main())
+
+
+def _delay(name, interval, jitter, slot):
+    """The delay of job ``name``'s start at ``slot`` (ms): what every process computes alike."""
+    schedule = anarchon_lite._Jittered(anarchon_lite._Every(interval, 0), jitter, name)
+    return schedule.start_of(slot) - slot
+
+
+def _named(interval, jitter, slot, low, high, prefix="j"):
+    """A job name whose delay at ``slot`` lies in [low, high] seconds, and that delay (ms)."""
+    return next(
+        (f"{prefix}{n}", d)
+        for n in range(10_000)
+        if low * 1000 <= (d := _delay(f"{prefix}{n}", interval, jitter, slot)) <= high * 1000
+    )
+
+
+def test_jitter_delays_the_start_of_each_occurrence_once_across_two_schedulers_and_keeps_its_slot(db, clock):
+    aligned(clock, 60)
+    slot = int(clock.time() + 0.5) * 1000
+    name, delay = _named(60, 50, slot, 10, 40)
+    seen = []
+
+    async def main():
+        (counted_a, looks_a), (counted_b, looks_b) = counting_looks(), counting_looks()
+        a, b = make(db, clock, instance="a", store=counted_a), make(db, clock, instance="b", store=counted_b)
+        for s in (a, b):
+            s.every(name, "1m", lambda ctx: seen.append((ctx.slot, ctx.instance, clock.time())), jitter="50s")
+        async with a, b:
+            await looks_pass(a, looks_a)
+            clock.advance(1)  # past the slot, before its start
+            await looks_pass(a, looks_a)
+            await looks_pass(b, looks_b)
+            (job,) = await a.status()
+            assert (job.next_at.timestamp() * 1000, job.next_start.timestamp() * 1000) == (slot, slot + delay)
+            clock.advance(delay / 1000 - 1.5)  # a second before its start
+            await looks_pass(a, looks_a)
+            await looks_pass(b, looks_b)
+            assert seen == []
+            clock.advance(1.5)
+            await wait_for(lambda: has(a, name, "succeeded"), message="the jittered run")
+            await looks_pass(a, looks_a)
+            await looks_pass(b, looks_b)
+        assert len(seen) == 1 and seen[0][0] == slot and seen[0][2] >= (slot + delay) / 1000
+        assert await statuses(a) == [(slot, 1, "succeeded")]  # (the slot, not the start, is the record's)
+
+    run(main())
+
+
+def test_an_occurrence_is_late_against_its_jittered_start(db, clock):
+    """Found 3 s after its start (minutes after its slot) an occurrence runs; found 6 s after its
+    start it was missed: the 5 s tolerance counts from the start."""
+    aligned(clock, HOUR)
+    slot = int(clock.time() + 0.5) * 1000
+    name, delay = _named(HOUR, 1800, slot, 120, 1700, prefix="on-time")
+    late, _ = _named(HOUR, 1800, slot, 10, delay / 1000 - 10, prefix="late")
+    seen = []
+
+    def declare(s):
+        for job in (name, late):
+            s.every(job, "1h", lambda ctx: seen.append(ctx.job), jitter="30m")
+        return s
+
+    async def main():
+        counted, looks = counting_looks()
+        first = declare(make(db, clock, store=counted))
+        async with first:  # both are in the store, their watermarks now
+            await looks_pass(first, looks)
+        clock.jump((slot + delay) / 1000 + 3 - clock.time())  # (the other one's start was > 10 s ago)
+        counted, looks = counting_looks()
+        second = declare(make(db, clock, store=counted))
+        async with second:
+            await wait_for(lambda: has(second, name, "succeeded"), message="the run on time")
+            await wait_for(lambda: has(second, late, "missed"), message="the late one missed")
+            await looks_pass(second, looks)
+        assert seen == [name]
+        assert await statuses(second, late) == [(slot, 0, "missed")]
+
+    run(main())
+
+
+def test_overlap_n_lets_n_runs_be_unfinished_across_processes_and_skips_the_next(db, clock):
+    aligned(clock, 60)
+    started = []
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def slow(ctx):
+            started.append(ctx.slot)
+            await gate.wait()
+
+        a, b = make(db, clock, instance="a"), make(db, clock, instance="b")
+        for s in (a, b):
+            s.every("two", "1m", slow, overlap=2, lease="1h")
+        async with a, b:
+            clock.advance(1)
+            await wait_for(lambda: len(started) == 1)
+            next_slot(clock, 60)
+            await wait_for(lambda: len(started) == 2)
+            next_slot(clock, 60)  # two unfinished: this one is skipped
+            await wait_for(lambda: has(a, "two", "skipped"))
+            gate.set()
+            await wait_for(lambda: has(a, "two", "succeeded", 2))
+            next_slot(clock, 60)
+            await wait_for(lambda: has(a, "two", "succeeded", 3))
+        records = sorted(await statuses(a))
+        assert [(attempt, status) for _, attempt, status in records] == [
+            (1, "succeeded"),
+            (1, "succeeded"),
+            (0, "skipped"),
+            (1, "succeeded"),
+        ]
+        assert len(set(started)) == 3
+        (skipped,) = [r for r in await a.history("two") if r.status == "skipped"]
+        assert skipped.error == "an earlier run is unfinished"
+
+    run(main())
+
+
+def test_on_failure_is_told_once_when_the_run_has_failed_for_good(db):
+    """With ``retries=2`` a handler that always fails makes three attempts; ``on_failure`` gets
+    the final record once, after the third attempt's end is written (not after the first two)."""
+    attempts, told = [], []
+
+    async def main():
+        counted, looks = counting_looks()
+        s = make(db, store=counted, instance="me")
+
+        async def on_failure(record):
+            told.append((record, [r.status for r in await s.history("flaky")]))
+
+        @s.every("flaky", "24h", offset=QUIET, retries=2, retry_delay="50ms", on_failure=on_failure)
+        def flaky(ctx):
+            attempts.append(ctx.attempt)
+            raise ValueError(f"boom {ctx.attempt}")
+
+        async with s:
+            await s.trigger("flaky")
+            await wait_for(lambda: told, message="on_failure")
+            await looks_pass(s, looks)  # no more attempts, no more calls
+        assert attempts == [1, 2, 3] and len(told) == 1
+        record, history_then = told[0]
+        assert (record.job, record.attempt, record.status, record.instance) == ("flaky", 3, "failed", "me")
+        assert "ValueError: boom 3" in record.error and record.started_at <= record.finished_at
+        assert history_then == ["failed"] * 3  # (its end was written before it was told)
+
+    run(main())
+
+
+def test_on_failure_every_attempt_is_told_of_each_failed_attempt(db):
+    told = []
+
+    async def main():
+        counted, looks = counting_looks()
+        s = make(db, store=counted)
+        hook = lambda record: told.append((record.attempt, record.status))  # (a plain function: in a thread)
+        s.every(
+            "flaky",
+            "24h",
+            lambda ctx: 1 / 0,
+            offset=QUIET,
+            retries=2,
+            retry_delay="50ms",
+            on_failure=hook,
+            on_failure_every_attempt=True,
+        )
+        async with s:
+            await s.trigger("flaky")
+            await wait_for(lambda: len(told) == 3, message="three calls")
+            await looks_pass(s, looks)
+        assert told == [(1, "failed"), (2, "failed"), (3, "failed")]
+
+    run(main())
+
+
+def test_on_failure_is_not_told_of_a_run_that_succeeds_on_its_retry_and_is_told_of_a_timeout(db):
+    told = []
+
+    async def main():
+        counted, looks = counting_looks()
+        s = make(db, store=counted)
+
+        @s.every("second-time", "24h", offset=QUIET, retries=1, retry_delay="50ms", on_failure=told.append)
+        async def handler(ctx):
+            if ctx.attempt == 1:
+                raise RuntimeError("first")
+
+        @s.every("slow", "24h", offset=QUIET, timeout="100ms", on_failure=told.append)
+        async def slow(ctx):
+            await ctx.signal.sleep(60)
+
+        async with s:
+            await s.trigger("second-time")
+            await wait_for(lambda: has(s, "second-time", "succeeded"))
+            await s.trigger("slow")
+            await wait_for(lambda: told, message="the timeout told")
+            await looks_pass(s, looks)
+        assert [(r.job, r.attempt, r.status) for r in told] == [("slow", 1, "timed_out")]
+
+    run(main())
+
+
+def test_an_on_failure_that_raises_is_logged_and_the_scheduler_carries_on(db, caplog):
+    calls = []
+
+    async def main():
+        s = make(db)
+
+        async def broken_async(record):
+            calls.append("async")
+            raise RuntimeError("the mail server is down")
+
+        def broken_sync(record):
+            calls.append("sync")
+            raise OSError("no route to host")
+
+        s.every("a", "24h", lambda ctx: 1 / 0, offset=QUIET, on_failure=broken_async)
+        s.every("b", "24h", lambda ctx: 1 / 0, offset=QUIET, on_failure=broken_sync)
+        s.every("c", "24h", lambda ctx: None, offset=QUIET)
+        async with s:
+            for name in "ab":
+                await s.trigger(name)
+            await wait_for(lambda: len(calls) == 2, message="both called")
+            await wait_for(lambda: sum("on_failure raised" in r.message for r in caplog.records) == 2)
+            await s.trigger("c")
+            await wait_for(lambda: has(s, "c", "succeeded"), message="a run after them")
+        assert sorted(calls) == ["async", "sync"]
+
+    with caplog.at_level(logging.ERROR, logger="anarchon_lite"):
+        run(main())
+    said = [r.message for r in caplog.records if "on_failure raised" in r.message]
+    assert any("the mail server is down" in m for m in said) and any("no route to host" in m for m in said)

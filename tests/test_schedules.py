@@ -376,3 +376,29 @@ def test_only_rrule_schedules_need_dateutil_and_nothing_imports_it_before(tmp_pa
         assert lines[2] == "job 'c', option 'rrule': rrule schedules need python-dateutil: pip install python-dateutil"
     else:
         assert lines[2] == "5"
+
+
+def test_jitter_delays_each_start_alike_everywhere_within_its_bound_and_before_the_next_occurrence():
+    """A jittered start is the slot plus a delay in [0, jitter) that depends only on the job's name
+    and the slot (two declarations, as in two processes, agree), spread across the range, and
+    never reaching the next occurrence (a cron job's delay is cut to the gap before it)."""
+    import anarchon_lite as al
+
+    def starts(name, schedule, jitter, slots):
+        s = Scheduler(":memory:")
+        getattr(s, schedule[0])(name, *schedule[1:], handler, jitter=jitter)
+        return [s._declared.job(name).schedule.start_of(slot) - slot for slot in slots]
+
+    hourly = [3_600_000 * n for n in range(1, 401)]
+    delays = starts("export", ("every", "1h"), "10m", hourly)
+    assert delays == starts("export", ("every", "1h"), "10m", hourly)  # (another process: the same)
+    assert all(0 <= d < 600_000 for d in delays)
+    assert min(delays) < 60_000 and max(delays) > 540_000 and len(set(delays)) > 390
+    assert delays != starts("import", ("every", "1h"), "10m", hourly)  # (another job: spread apart)
+    s = Scheduler(":memory:")
+    s.cron("minutely", "* * * * *", handler, tz="UTC", jitter="1h")  # an hour's jitter on a minute's gap
+    schedule = s._declared.job("minutely").schedule
+    assert isinstance(schedule, al._Jittered) and schedule.next_after(0) == 60_000  # (the slots stay)
+    minutes = [60_000 * n for n in range(1, 200)]
+    assert all(0 <= schedule.start_of(m) - m < 60_000 for m in minutes)
+    assert max(schedule.start_of(m) - m for m in minutes) > 50_000

@@ -49,7 +49,7 @@ def s(process):
 
 
 def claim_due(s, owner, expected=0, slot=1000):
-    return s.claim_due(owner, slot, al._Due("job", expected, slot, slot + 1000, [], True, True, 30))
+    return s.claim_due(owner, slot, al._Due("job", expected, slot, slot + 1000, [], True, 1, 30))
 
 
 # -- the contract, on both stores ----------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_fencing_refuses_a_superseded_attempt(s):
     assert first.attempt == 1
     row = s.runs()[0]
     # b takes over (as if a's lease ran out)
-    second = s.claim(row, OTHER, 30, 2000, 10, True, "lease expired")
+    second = s.claim(row, OTHER, 30, 2000, 10, 1, "lease expired")
     assert second.attempt == 2
     assert s.renew_all("a", [first]) == [first]
     assert s.checkpoint_write("job", 1000, '"stale"', 0, (1, "a")) is False
@@ -93,7 +93,7 @@ def test_fencing_refuses_a_superseded_attempt(s):
     assert s.checkpoint_get("job", 1000) == (True, '"fresh"')
     assert [(r.attempt, r.status) for r in reversed(s.history("job", 10))] == [(1, "interrupted"), (2, "succeeded")]
     # the row a saw is gone: its compare-and-set claim does nothing
-    assert s.claim(row, OWNER, 30, 4000, 10, True) is None
+    assert s.claim(row, OWNER, 30, 4000, 10, 1) is None
 
 
 def test_a_renewed_lease_cannot_be_taken_over(process, s):
@@ -103,28 +103,26 @@ def test_a_renewed_lease_cannot_be_taken_over(process, s):
         process.backend._clock.advance(1.0)
     assert s.renew_all("a", [claim]) == []
     s.report_progress(claim, "a", (3, 10))
-    assert s.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
+    assert s.claim(seen, OTHER, 30, 2000, 10, 1, "lease expired") is None
     assert s.runs()[0].progress_done == 3
 
 
 def test_missed_records_and_watermark_are_one_transaction(s):
     missed = [(1000, None), (2000, "and 5 more")]
-    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, missed, False, True, 0)) is al._NotClaimed.RECORDED
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, missed, False, 1, 0)) is al._NotClaimed.RECORDED
     assert s.job("job").last_slot == 3000
     assert [(r.slot, r.status, r.error) for r in reversed(s.history("job", 10))] == [
         (1000, "missed", None),
         (2000, "missed", "and 5 more"),
     ]
     # a stale watermark writes nothing
-    assert (
-        s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, True, 0)) is al._NotClaimed.MOVED
-    )
+    assert s.claim_due(OWNER, 5000, al._Due("job", 0, 3000, 4000, [(1000, None)], True, 1, 0)) is al._NotClaimed.MOVED
 
 
 def test_a_lease_runs_out_on_the_stores_clock(process, s):
     """``lease_left`` counts down on the store's lease clock (the injected one on SQLite, the
     server's on PostgreSQL); a renewal gives the whole lease again."""
-    claim = s.claim_due(OWNER, 1000, al._Due("job", 0, 1000, 2000, [], True, True, 0.5))
+    claim = s.claim_due(OWNER, 1000, al._Due("job", 0, 1000, 2000, [], True, 1, 0.5))
     assert 0 < s.runs()[0].lease_left <= 0.5
     if process.postgres:
         deadline = time.monotonic() + 10
@@ -162,7 +160,7 @@ def test_trigger_records_a_pending_run_at_the_next_free_millisecond(s):
     with pytest.raises(al.JobNotFound):
         s.trigger("nope", 5000)
     row = s.runs()[0]
-    claim = s.claim(row, OWNER, 30, 6000, 10, False)
+    claim = s.claim(row, OWNER, 30, 6000, 10, None)
     assert (claim.slot, claim.attempt) == (5000, 1)
 
 
@@ -192,7 +190,7 @@ def test_history_is_newest_first_limited_and_pruned_to_the_retention(s):
     expected = 0
     for n in range(5):
         slot = 1000 * (n + 1)
-        claim = s.claim_due(OWNER, slot, al._Due("job", expected, slot, slot + 1000, [], True, True, 30))
+        claim = s.claim_due(OWNER, slot, al._Due("job", expected, slot, slot + 1000, [], True, 1, 30))
         assert s.finish(OWNER, al._End(claim, "failed" if n == 2 else "succeeded", "boom" if n == 2 else None, slot))
         expected = slot
     records = s.history("job", 10)
@@ -572,10 +570,10 @@ def test_renewals_are_made_on_the_lease_board_and_write_nothing_to_the_file(db, 
     clock.advance(25)  # past the file's lease, not the board's
     seen = b.runs()[0]
     assert seen.lease_left == pytest.approx(5)
-    assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
+    assert b.claim(seen, OTHER, 30, 2000, 10, 1, "lease expired") is None
     clock.advance(6)
     assert b.runs()[0].lease_left < 0
-    taken = b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired")
+    taken = b.claim(seen, OTHER, 30, 2000, 10, 1, "lease expired")
     assert taken is not None and taken.attempt == 2
     assert a.renew_all(OWNER, [claim]) == [claim]
 
@@ -616,14 +614,14 @@ def test_a_process_not_on_the_board_makes_owners_renew_in_the_file(db, clock, tm
     seen = b.runs()[0]
     assert seen.lease_until < clock.monotonic()
     assert seen.lease_left == pytest.approx(30)  # from b's join
-    assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired") is None
+    assert b.claim(seen, OTHER, 30, 2000, 10, 1, "lease expired") is None
     before = version()
     assert a.renew_all(OWNER, [claim]) == []
     assert version() != before  # b is no member of a's board: renewed in the file
     clock.advance(31)  # the owner stopped renewing
     seen = b.runs()[0]
     assert seen.lease_left < 0
-    assert b.claim(seen, OTHER, 30, 2000, 10, True, "lease expired").attempt == 2
+    assert b.claim(seen, OTHER, 30, 2000, 10, 1, "lease expired").attempt == 2
 
 
 @pytest.mark.sqlite_only  # (the lease board in /dev/shm)

@@ -477,3 +477,33 @@ def test_the_page_lives_in_a_running_scheduler_as_well(store):
         return [r for r in await scheduler.history("hello") if r.status == "succeeded"]
 
     run(main())
+
+
+def test_the_jobs_page_shows_when_a_jittered_occurrence_starts(store):
+    """NEXT on the jobs page is the next start, its jitter included, as ``status`` shows it."""
+    import asyncio
+
+    from conftest import run
+
+    from anarchon_lite import Scheduler, StatusPage
+
+    def fetch(url):
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        try:
+            conn.request("GET", parts.path)
+            return conn.getresponse().read().decode()
+        finally:
+            conn.close()
+
+    async def main():
+        scheduler = Scheduler(store)
+        scheduler.cron("nightly", "0 3 * * *", lambda ctx: None, tz="UTC", jitter="30m")
+        (job,) = await scheduler.status()
+        assert job.next_start > job.next_at  # (this name's delay at this slot is not zero)
+        async with StatusPage(scheduler, "127.0.0.1:0") as page:
+            text = await asyncio.get_running_loop().run_in_executor(None, fetch, page.url)
+        assert f'<time datetime="{job.next_start.isoformat()}">' in text
+        assert "cron 0 3 * * * UTC jitter 30m" in text
+
+    run(main())
