@@ -9162,13 +9162,14 @@ def _exit_text(code: int) -> str:
 
 
 def command_handler(
-    command: str, env: dict[str, str] | None = None, on_failure: str | None = None
+    command: str, env: dict[str, str] | None = None, on_failure: str | None = None, *, inherit_env: bool = True
 ) -> Callable[[RunContext], Awaitable[str]]:
     """A handler that runs ``$SHELL -c command`` in a process group of its own, one copy at a time:
     what ``crontab`` declares for each entry, for a front end of one's own.
 
-    ``env`` is added to this process's environment (``SHELL`` in it names the shell; default
-    ``/bin/sh``). Before it starts, the process group of an earlier attempt of the same run (a
+    ``env`` is added to this process's environment, or with ``inherit_env=False`` to a minimal one
+    as cron gives (``_command_environment``); ``SHELL`` in it names the shell (default ``/bin/sh``),
+    and the command's ``SHELL`` is always that shell. The run's ``ANARCHON_*`` variables are added. Before it starts, the process group of an earlier attempt of the same run (a
     takeover after a crash) is ended if it still lives on this host. The command waits at a gate
     until its group is recorded with the run, and a reaper outside the group ends the group if this
     process dies. The run ends when the shell exits; what it leaves in its group is ended and the
@@ -9179,6 +9180,7 @@ def command_handler(
     instead: once, when the run has failed for good).
     """
     extra = {} if env is None else dict(env)
+    shell = extra.get("SHELL", "/bin/sh")
 
     me = _this_owner("")  # this process: its boot and pid namespace say where a recorded group can be seen
     hooks: set[asyncio.Task[None]] = set()  # on_failure commands still running
@@ -9187,16 +9189,16 @@ def command_handler(
         if on_failure is not None:
             error = _exit_text(code) if status == "failed" and code is not None else status
             record = RunRecord(ctx.job, ctx.slot, ctx.attempt, status, ctx.instance, None, None, error, output)
-            task = asyncio.ensure_future(_run_on_failure(on_failure, extra, record, code))
+            task = asyncio.ensure_future(
+                _run_on_failure(on_failure, _command_environment(extra, inherit_env), record, code)
+            )
             hooks.add(task)
             task.add_done_callback(hooks.discard)
 
     async def run_command(ctx: RunContext) -> str:
-        shell = extra.get("SHELL", "/bin/sh")
         nonce = os.urandom(16).hex()  # this attempt's, kept in its process-group record
         variables = {
-            **os.environ,
-            **extra,
+            **_command_environment(extra, inherit_env),
             "ANARCHON_JOB": ctx.job,
             "ANARCHON_SLOT": str(ctx.slot),
             "ANARCHON_ATTEMPT": str(ctx.attempt),
@@ -9273,10 +9275,32 @@ _GROUP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL for an aborted command
 
 
 _ON_FAILURE_TIMEOUT = 60.0  # seconds an on_failure command may take before its group is ended
+_CRON_PATH = "/usr/bin:/bin"  # the PATH cron gives commands (Vixie cron, cronie)
+
+
+def _command_environment(extra: dict[str, str], inherit: bool) -> dict[str, str]:
+    """What a crontab command (and its ``on_failure`` command) starts with, before its run's
+    ``ANARCHON_*`` variables: this process's environment, or (``inherit`` false) what cron gives,
+    ``PATH=/usr/bin:/bin`` and this user's ``HOME``, ``LOGNAME`` and ``USER``; then the crontab's
+    own variables (``extra``). ``SHELL`` names the shell that runs it, whatever this process's
+    ``SHELL`` says."""
+    if inherit:
+        base = dict(os.environ)
+    else:
+        import pwd
+
+        try:
+            user = pwd.getpwuid(os.geteuid())
+            name, home = user.pw_name, user.pw_dir
+        except KeyError:  # (a uid with no entry, in a container)
+            name, home = str(os.geteuid()), "/"
+        base = {"PATH": _CRON_PATH, "HOME": home, "LOGNAME": name, "USER": name}
+    return {**base, **extra, "SHELL": extra.get("SHELL", "/bin/sh")}
 
 
 def _failure_command(command: str, env: dict[str, str]) -> Callable[[RunRecord], Awaitable[None]]:
-    """A crontab entry's ``# on_failure: COMMAND``, as the job's ``on_failure``."""
+    """A crontab entry's ``# on_failure: COMMAND``, as the job's ``on_failure`` (``env``: its whole
+    environment, from ``_command_environment``)."""
 
     async def run(record: RunRecord) -> None:
         await _run_on_failure(command, env, record, _exit_code(record.error))
@@ -9296,12 +9320,12 @@ def _exit_code(error: str | None) -> int | None:
 
 
 async def _run_on_failure(command: str, env: dict[str, str], record: RunRecord, code: int | None) -> None:
-    """Run a crontab entry's ``on_failure`` command: the failed run in its environment, its
-    output's tail on its stdin, ended after ``_ON_FAILURE_TIMEOUT``; what goes wrong is logged."""
+    """Run a crontab entry's ``on_failure`` command: in ``env`` (its whole environment) with the
+    failed run's variables, its output's tail on its stdin, ended after ``_ON_FAILURE_TIMEOUT``;
+    what goes wrong is logged."""
     where = {"job": record.job, "slot": record.slot, "attempt": record.attempt}
     log = _JobLog(logging.getLogger(f"anarchon_lite.job.{record.job}"), where)
     variables = {
-        **os.environ,
         **env,
         "ANARCHON_JOB": record.job,
         "ANARCHON_SLOT": str(record.slot),
@@ -9686,10 +9710,11 @@ def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], optio
         if len(fields) < 6:
             raise CrontabError(path, number, "expected 5 schedule fields and a command")
         kind, spec, command = "cron", " ".join(fields[:5]), fields[5]
-    problem = _command_problem(command, env) or _user_column(command, env)
+    problem = _command_problem(command, env) or _user_column(command, env) or _percent_problem(command)
     if problem:
         raise CrontabError(path, number, problem)
     digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
+    command = command.replace("\\%", "%")
     name = str(options.pop("name", None) or f"{kind}-{digest}")
     once, every = options.pop("on_failure", None), options.pop("on_failure_every_attempt", None)
     if once is not None and every is not None:
@@ -9711,6 +9736,19 @@ def _command_problem(command: str, env: dict[str, str]) -> str | None:
     if _find_program(shell, env.get("PATH", os.environ.get("PATH", os.defpath))) is None:
         return f"SHELL={shell}: no such executable file"
     return None
+
+
+def _percent_problem(command: str) -> str | None:
+    """Why a command with a ``%`` that no backslash escapes is refused: cron ends the command at
+    the first such ``%`` and sends what follows as its input (each further ``%`` a new line), a
+    line written for this file would mean it as written; rather than guess, such a line is refused.
+    ``\\%`` is a ``%``, as in cron."""
+    if re.search(r"(?<!\\)%", command) is None:
+        return None
+    return (
+        "the command has a % that no backslash escapes: cron would end the command there and send the rest "
+        "as its input; write \\% for a % (date +\\%F), and give input with printf '...' | COMMAND"
+    )
 
 
 def _user_column(command: str, env: dict[str, str]) -> str | None:
@@ -9739,12 +9777,12 @@ def _find_program(name: str, path: str) -> str | None:
     return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
-def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str) -> None:
+def _declare_crontab(scheduler: Scheduler, entries: list[_CrontabEntry], path: str, inherit_env: bool = True) -> None:
     for entry in entries:
-        handler = command_handler(entry.command, entry.env)
+        handler = command_handler(entry.command, entry.env, inherit_env=inherit_env)
         options = dict(entry.options)
         if entry.on_failure is not None:
-            options["on_failure"] = _failure_command(entry.on_failure, entry.env)
+            options["on_failure"] = _failure_command(entry.on_failure, _command_environment(entry.env, inherit_env))
             options["on_failure_every_attempt"] = entry.every_attempt
         try:
             if entry.kind == "every":
@@ -9826,63 +9864,92 @@ def _terminal(text: str) -> str:
     return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
-def _table(rows: list[list[str]], below: dict[int, list[str]] | None = None) -> None:
-    """Print rows in columns as wide as their widest cell (the last one as it is), and after row
-    ``n`` the lines ``below[n]``."""
+def _table(rows: list[list[str]], below: dict[int, list[str]] | None = None, columns: int | None = None) -> None:
+    """Print rows in columns as wide as their widest cell (the last one as it is, or cut to end
+    within ``columns``), and after row ``n`` the lines ``below[n]``."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    room = None if columns is None else max(12, columns - sum(widths) - 2 * len(widths))
     lines = []
     for number, row in enumerate(rows):
-        lines.append("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), row[-1]]).rstrip())
+        last = row[-1] if room is None else _cut(row[-1], room)
+        lines.append("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), last]).rstrip())
         lines.extend((below or {}).get(number, ()))
     print("\n".join(lines))  # (one write: 10,000 prints are a tenth of a status of 10,000 jobs)
 
 
-def _print_status(jobs: list[JobStatus], processes: list[ProcessInfo], as_json: bool, utc: bool) -> None:
-    """Every job as ``systemctl list-timers`` shows timers (NEXT, LEFT, LAST, PASSED, RESULT), its
-    running attempts below it, then the processes running on the store."""
+_COLUMNS = 100  # the width ``status`` fits without ``--wide``
+_NAME_CUT = 24  # a job's name or a host, at most, in that width (the rest ends in "…")
+
+
+def _print_status(
+    jobs: list[JobStatus], processes: list[ProcessInfo], as_json: bool, utc: bool, wide: bool = False
+) -> None:
+    """Every job as ``systemctl list-timers`` shows timers (NEXT, LEFT, LAST, RESULT), its
+    running attempts below it, then the processes running on the store: in 100 columns, every time
+    in one zone (the local one, or UTC), named in the header; ``wide``: whole names, each time with
+    its date, weekday and zone (a job's own zone), and PASSED beside LAST."""
     if as_json:
         shown = {"jobs": [_status_json(job) for job in jobs], "processes": [_process_json(p) for p in processes]}
         print(json.dumps(shown, indent=2))
         return
     now, local = time.time(), _local_zone()  # (once: finding the local zone reads /etc/localtime's link)
-    rows = [["JOB", "STATE", "NEXT", "LEFT", "LAST", "PASSED", "RESULT", "SCHEDULE"]]
+    table_zone = _UTC if utc else local
+    zone_name = _zone_name(table_zone)
+    if wide:
+        rows = [["JOB", "STATE", "NEXT", "LEFT", "LAST", "PASSED", "RESULT", "SCHEDULE"]]
+    else:
+        rows = [["JOB", "STATE", f"NEXT ({zone_name})", "LEFT", "LAST", "RESULT", "SCHEDULE"]]
     below: dict[int, list[str]] = {}
     for job in jobs:
-        zone = _UTC if utc else _zone_of(job.schedule, local)
         following = None if job.paused or job.undeclared else job.next_start or job.next_at  # (with its jitter)
-        rows.append(
-            [
-                job.name,
-                job.state,
-                _when(following, zone),
-                _left(following, now),
-                _when(job.last_at, zone),
-                "-" if job.last_at is None else f"{_span(now - job.last_at.timestamp())} ago",
-                job.last_status or "-",
-                job.schedule,
-            ]
-        )
+        passed = "-" if job.last_at is None else f"{_span(now - job.last_at.timestamp())} ago"
+        if wide:
+            zone = _UTC if utc else _zone_of(job.schedule, local)
+            times = [_when(following, zone), _left(following, now), _when(job.last_at, zone), passed]
+            rows.append([job.name, job.state, *times, job.last_status or "-", job.schedule])
+        else:
+            times = [_short_when(following, table_zone), _left(following, now), passed]
+            rows.append([_cut(job.name, _NAME_CUT), job.state, *times, job.last_status or "-", job.schedule])
         below[len(rows) - 1] = [
             f"  attempt {info.attempt} {info.state} on {info.owner or '-'}"
             + ("" if info.age is None else f" for {_span(info.age)}")
             + (f" {_progress_bar(info.progress)}" if info.progress else "")
             for info in job.runs
         ]
-    _table(rows, below)
+    _table(rows, below, None if wide else _COLUMNS)
     undeclared = sum(job.undeclared for job in jobs)
     print(f"\n{len(jobs)} job{'' if len(jobs) == 1 else 's'}" + (f", {undeclared} undeclared" if undeclared else ""))
     if not processes:
         print("no scheduler process runs on the store")
         return
     print()
-    table = [["PROCESS", "PID", "HOST", "SINCE", "JOBS"]]
+    since = "SINCE" if wide else f"SINCE ({zone_name})"
+    table = [["PROCESS", "PID", "HOST", since, "JOBS"]]
     for process in processes:
-        zone = _UTC if utc else local
         jobs_text = "-" if process.jobs is None else str(process.jobs)
-        table.append(
-            [process.instance, str(process.pid or "-"), process.host or "-", _when(process.started_at, zone), jobs_text]
-        )
+        started = _when(process.started_at, table_zone) if wide else _short_when(process.started_at, table_zone)
+        instance, host = process.instance, process.host or "-"
+        if not wide:
+            instance, host = _cut(instance, 2 * _NAME_CUT), _cut(host, _NAME_CUT)
+        table.append([instance, str(process.pid or "-"), host, started, jobs_text])
     _table(table)
+
+
+def _zone_name(zone: _dt.tzinfo) -> str:
+    """A zone as a table's header names it: its IANA name, else its abbreviation now."""
+    key = getattr(zone, "key", None)
+    if isinstance(key, str) and ("/" in key or key == "UTC"):
+        return key.removeprefix("Etc/")
+    return _dt.datetime.now(zone).strftime("%Z")
+
+
+def _short_when(moment: _dt.datetime | None, zone: _dt.tzinfo) -> str:
+    """A time in a table whose header names the zone: ``12-03 03:00:00``."""
+    return "-" if moment is None else moment.astimezone(zone).strftime("%m-%d %H:%M:%S")
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _status_json(job: JobStatus) -> dict[str, Any]:
@@ -10046,11 +10113,11 @@ def _check_crontab(path: str) -> None:
     print(f"{path}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, no errors")
 
 
-def _run_crontab(scheduler: Scheduler, path: str) -> None:
+def _run_crontab(scheduler: Scheduler, path: str, inherit_env: bool) -> None:
     def reload() -> None:
         try:
             fresh = Scheduler(scheduler.path)
-            _declare_crontab(fresh, _parse_crontab(_read_crontab(path), path), path)
+            _declare_crontab(fresh, _parse_crontab(_read_crontab(path), path), path, inherit_env)
         except (ConfigError, OSError) as exc:
             _log.error("SIGHUP: keeping the current table: %s", exc)
             return
@@ -10256,7 +10323,10 @@ def _parser() -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=text, parents=[common])
 
     status = command("status", "every job (next and last run, result, running attempts) and the running processes")
-    status.add_argument("--utc", action="store_true", help="show times in UTC (default: each job's zone, else local)")
+    status.add_argument("--utc", action="store_true", help="show times in UTC (default: the local zone)")
+    status.add_argument(
+        "--wide", action="store_true", help="whole names, and each time with its date and zone (a job's own zone)"
+    )
     shown = status.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     shown.add_argument(
@@ -10321,6 +10391,13 @@ def _parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="only read the file: list each entry and its next 3 runs, start nothing"
     )
     crontab.add_argument(
+        "--env",
+        choices=("inherit", "minimal"),
+        default="inherit",
+        help="the commands' environment: this process's (the default), or minimal as cron gives "
+        "(PATH=/usr/bin:/bin, HOME, LOGNAME, USER, SHELL), each with the file's own variables",
+    )
+    crontab.add_argument(
         "--durability",
         choices=("normal", "full"),
         default="normal",
@@ -10377,8 +10454,9 @@ def _command(args: argparse.Namespace) -> int:
             durability=args.durability,
             shared_group=args.shared_group,
         )
-        _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file)
-        _run_crontab(scheduler, args.file)
+        inherit = args.env == "inherit"
+        _declare_crontab(scheduler, _parse_crontab(_read_crontab(args.file), args.file), args.file, inherit)
+        _run_crontab(scheduler, args.file, inherit)
         return 0
     if args.command == "schema":
         print(_schema_script(args.db, args.role), end="")
@@ -10394,7 +10472,7 @@ def _command(args: argparse.Namespace) -> int:
     if args.command == "status" and args.prometheus:
         print(control.prometheus(), end="")
     elif args.command == "status":
-        _print_status(control.status(), control.processes(), args.json, args.utc)
+        _print_status(control.status(), control.processes(), args.json, args.utc, args.wide)
     elif args.command == "history":
         records = control.history(args.job, args.limit)
         if not records and args.job is not None and all(job.name != args.job for job in control.status()):

@@ -366,6 +366,8 @@ def test_crontab_mistakes_are_one_line_with_file_and_line(tmp_path):
     bad_crontab(tmp_path, "# name: j, lease: 1ms\n@hourly true\n", f"{path}:2:", "lease")
     bad_crontab(tmp_path, "# name: my job\n@hourly true\n", f"{path}:1:", "cannot read 'job'")  # not named 'my'
     bad_crontab(tmp_path, "\n0 3 * * * root /usr/bin/true\n", f"{path}:2:", "user column")  # not a program 'root'
+    bad_crontab(tmp_path, "@daily /usr/bin/logger -t backup%dear ops,%it failed%\n", f"{path}:1:", "write \\% for a %")
+    bad_crontab(tmp_path, "@daily date +\\%F; echo 100%\n", f"{path}:1:", "no backslash escapes")
 
 
 def test_crontab_check_lists_each_entry_and_its_next_runs_and_starts_nothing(tmp_path):
@@ -698,6 +700,8 @@ def test_status_and_next_show_when_a_jittered_occurrence_starts(store):
     start = datetime.datetime.fromtimestamp(schedule.start_of(slot) / 1000, datetime.timezone.utc)
     assert at.strftime("%H:%M:%S") == "03:00:00" and datetime.datetime.fromisoformat(job["next_start"]) == start
     row = next(line for line in cli(db, "status", "--utc").stdout.splitlines() if line.startswith("nightly"))
+    assert start.strftime("%m-%d %H:%M:%S") in row and "jitter 30m overlap 3" in row
+    row = next(line for line in cli(db, "status", "--utc", "--wide").stdout.splitlines() if line.startswith("nightly"))
     assert start.strftime("%Y-%m-%d %H:%M:%S UTC") in row and "jitter 30m overlap 3" in row
     listed_next = cli(db, "next", "-n", "2", "--utc").stdout.splitlines()
     assert listed_next[0] == "nightly: cron 0 3 * * * UTC jitter 30m overlap 3"
@@ -730,7 +734,8 @@ def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(store, 
 
 
 def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forgotten(store, tmp_path, daemons):
-    """``status`` shows NEXT, LEFT, LAST, PASSED and RESULT per job and the running processes;
+    """``status`` shows NEXT, LEFT, LAST and RESULT per job in one zone (``--wide``: PASSED too,
+    and each time with its zone) and the running processes;
     ``show`` and ``history --output`` print a run's whole output; ``next -n`` lists occurrences.
     An entry removed from the crontab (SIGHUP) becomes ``undeclared``: ``trigger`` refuses it,
     ``forget`` removes it (and refuses a job a running process declares)."""
@@ -751,9 +756,13 @@ def test_status_reads_like_list_timers_and_undeclared_jobs_are_refused_then_forg
         table.splitlines()[0].split(),
         next(line for line in table.splitlines() if line.startswith("greet")),
     )
-    assert header[:7] == ["JOB", "STATE", "NEXT", "LEFT", "LAST", "PASSED", "RESULT"]
-    assert "03:00:00 UTC" in greet_row and "left" in greet_row and "ago" in greet_row and "succeeded" in greet_row
-    assert "PROCESS" in table and f" {proc.pid} " in table
+    assert header[:7] == ["JOB", "STATE", "NEXT", "(UTC)", "LEFT", "LAST", "RESULT"]  # one zone, named once
+    assert re.search(r"  \d\d-\d\d 03:00:00  ", greet_row), greet_row  # (the header names the zone)
+    assert "left" in greet_row and "ago" in greet_row and "succeeded" in greet_row
+    assert "PROCESS" in table and f" {proc.pid} " in table and "SINCE (UTC)" in table
+    wide = cli(db, "status", "--utc", "--wide").stdout
+    assert wide.splitlines()[0].split()[:7] == ["JOB", "STATE", "NEXT", "LEFT", "LAST", "PASSED", "RESULT"]
+    assert "03:00:00 UTC" in next(line for line in wide.splitlines() if line.startswith("greet"))
     shown = cli(db, "show", "greet").stdout
     assert "succeeded" in shown and "    hello\n    world" in shown
     assert "    world" in cli(db, "history", "--output", "--job", "greet").stdout
@@ -800,3 +809,76 @@ def test_next_lists_every_job_it_can_and_names_one_whose_stored_schedule_it_cann
     done = cli(db, "next", check=False)
     assert done.returncode == 0 and done.stdout.startswith("tick: every 1d"), done.stderr
     assert "job 'offset'" in done.stderr and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("env", ["inherit", "minimal"])
+def test_a_commands_environment_is_this_processs_or_minimal_as_crons(store, tmp_path, daemons, env):
+    """The commands get this process's environment (the default) or, with ``--env minimal``, what
+    cron gives: PATH=/usr/bin:/bin, HOME, LOGNAME, USER; then the file's own variables, the run's
+    ANARCHON_* ones, and SHELL naming the shell that runs them (this process's SHELL said bash
+    while /bin/sh ran them). ``\\%`` is a ``%``, as in cron."""
+    import pwd
+
+    out = tmp_path / "env.txt"
+    crontab = tmp_path / "crontab"
+    crontab.write_text(f"GREETING=hello\n# name: env\n@every 24h echo 'percent=\\%' > {out}; env >> {out}\n")
+    user = pwd.getpwuid(os.geteuid())
+    extra_env = {"SHELL": "/bin/bash", "APP_SECRET": "s3cret", "PATH": f"/opt/venv/bin:{os.environ['PATH']}"}
+    setting = [f"{name}={value}" for name, value in extra_env.items()]
+    daemons.start_with(["env", *setting], "--db", store, "crontab", "--env", env, str(crontab))
+    wait_until(lambda: listed(store, "env"), what="registered")
+    cli(store, "trigger", "env")
+    wait_until(lambda: out.exists() and "ANARCHON_RUN=" in out.read_text(), what="the command's environment")
+    seen = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    assert seen["percent"] == "%"  # (single quotes: the shell left it alone, the \\ was the crontab's)
+    assert seen["SHELL"] == "/bin/sh" and seen["GREETING"] == "hello" and seen["ANARCHON_JOB"] == "env"
+    if env == "minimal":
+        assert seen["PATH"] == "/usr/bin:/bin" and seen["HOME"] == user.pw_dir
+        assert seen["LOGNAME"] == seen["USER"] == user.pw_name
+        assert "APP_SECRET" not in seen and "VIRTUAL_ENV" not in seen
+    else:
+        assert seen["APP_SECRET"] == "s3cret" and seen["PATH"].startswith("/opt/venv/bin:")
+
+
+def test_status_fits_100_columns_in_one_zone_and_wide_shows_everything(store, tmp_path):
+    """Long names and schedules are cut to fit 100 columns (``…``), every time of the table is in
+    one zone (here Asia/Kolkata, whatever each job's own zone: zones without daylight saving, so
+    the hours hold all year), named in the header; ``--wide`` shows them whole, each time in its
+    job's zone."""
+    import asyncio
+
+    from anarchon_lite import Scheduler
+
+    long_name = "nightly-export-of-every-customer-invoice-to-the-warehouse"
+
+    async def declare():
+        s = Scheduler(store)
+        s.cron(long_name, "0 3 * * *", lambda ctx: None, tz="Asia/Tokyo")
+        s.rrule("report", "FREQ=MONTHLY;BYDAY=-1FR;BYHOUR=17;BYMINUTE=0;BYSECOND=0", lambda ctx: None, tz="UTC")
+        async with s:
+            pass
+
+    asyncio.run(declare())
+    env = {**ENV, "TZ": "Asia/Kolkata"}
+    table = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "--db", store, "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lines = table.splitlines()
+    assert max(map(len, lines)) <= 100, table
+    assert lines[0].split()[:4] == ["JOB", "STATE", "NEXT", "(Asia/Kolkata)"]
+    assert any(line.startswith(long_name[:23] + "…") for line in lines), table
+    assert "JST" not in table and "UTC" not in table and "IST" not in table
+    tokyo = next(line for line in lines if line.startswith(long_name[:23]))
+    assert " 23:30:00 " in tokyo  # 03:00 in Tokyo is 23:30 the day before in Kolkata
+    wide = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "--db", store, "status", "--wide"],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert long_name in wide and " 03:00:00 JST" in wide and "FREQ=MONTHLY;BYDAY=-1FR;BYHOUR=17" in wide
