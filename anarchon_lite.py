@@ -11,6 +11,8 @@ runs exactly once across them, under a lease kept alive by heartbeats. When the 
 deployed or freezes, another process takes the run over as the next attempt, and a checkpoint store
 lets it continue::
 
+    import asyncio
+
     from anarchon_lite import Scheduler
 
     scheduler = Scheduler("jobs.db")

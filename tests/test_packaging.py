@@ -72,3 +72,18 @@ def test_the_installed_wheel_is_typed_and_decorated_handlers_keep_their_types(tm
         check=True,
     )
     assert imported.stdout.strip() == str(site / "anarchon_lite" / "__init__.py")
+
+
+def test_the_module_docstrings_example_names_everything_it_uses(monkeypatch, tmp_path):
+    """``help(anarchon_lite)`` shows an example: run as shown (its two helpers are the reader's, and
+    ``asyncio.run`` is stopped before the scheduler would run for ever), it needs nothing more."""
+    import asyncio
+
+    import anarchon_lite
+
+    example = anarchon_lite.__doc__.split("::\n", 1)[1]
+    started = []
+    monkeypatch.setattr(asyncio, "run", lambda coroutine: started.append(coroutine.close()))
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example.replace("\n    ", "\n"), "example", "exec"), {"batches_after": None, "export_batch": None})  # noqa: S102 - our own docstring
+    assert started == [None]
