@@ -72,6 +72,17 @@ def test_the_contents_list_every_section_in_order():
     assert [target for _, target in listed] == [anchor(h) for h in sections]
 
 
+def test_the_readme_reads_top_down_in_ten_minutes():
+    """The README stays short enough to read whole (reference material goes to docs/), and its
+    Install section comes before anything that needs the command."""
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 400
+    sections = headings(readme)
+    assert sections.index("Install") < sections.index("Hello, world") < sections.index("Replacing cron")
+    text = prose(readme)
+    assert text.index("### The crontab file") < text.index("### Under systemd")
+
+
 def test_every_link_leads_to_a_file_and_section_in_the_repository():
     broken = []
     for path in DOCS:
