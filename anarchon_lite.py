@@ -81,7 +81,7 @@ import time
 import traceback
 import zlib
 import zoneinfo
-from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -2130,13 +2130,20 @@ _SQL_TAKE_RUN = (
     "WHERE job = :job AND slot = :slot"
 )
 _SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
-_SQL_FENCE = "job = ? AND slot = ? AND attempt = ? AND owner = ? AND state = 'running'"
+
+
+def _held_by(job: str, slot: int, attempt: int | None, owner: str | None) -> dict[str, Any]:
+    """The parameters of ``_SQL_FENCE``: one attempt of a run, while ``owner`` holds it."""
+    return {"job": job, "slot": slot, "attempt": attempt, "owner": owner}
+
+
+_SQL_FENCE = "job = :job AND slot = :slot AND attempt = :attempt AND owner = :owner AND state = 'running'"
 _SQL_RENEW_ALL = (  # {rows}: one (job, slot, attempt) per attempt
     "UPDATE runs SET lease_until = lease_clock() + lease WHERE owner = ? AND state = 'running' "
     "AND (job, slot, attempt) IN (VALUES {rows})"
 )
-_SQL_PROGRESS = f"UPDATE runs SET progress_done = ?, progress_total = ? WHERE {_SQL_FENCE}"
-_SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = ? WHERE {_SQL_FENCE}"
+_SQL_PROGRESS = f"UPDATE runs SET progress_done = :done, progress_total = :total WHERE {_SQL_FENCE}"
+_SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = :group WHERE {_SQL_FENCE}"
 _SQL_PROCESS_GROUP = "SELECT process_group FROM runs WHERE job = ? AND slot = ?"
 _SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
 _SQL_RELEASE = (
@@ -2152,11 +2159,12 @@ _SQL_RECORD = (
     "finished_at = excluded.finished_at, error = excluded.error"
 )
 _SQL_END_ATTEMPT = (
-    "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ? WHERE job = ? AND slot = ? AND attempt = ?"
+    "UPDATE history SET status = :status, finished_at = :finished_at, error = :error, output = :output "
+    "WHERE job = :job AND slot = :slot AND attempt = :attempt"
 )
 # As _SQL_END_ATTEMPT when the record is already the job's newest (a short run: nothing recorded for
 # the job since it started): the record is changed in place, no index is touched.
-_SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = {_SQL_NEWEST_ID.format(schema='', job='?')}"
+_SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = {_SQL_NEWEST_ID.format(schema='', job=':job')}"
 _SQL_SLOT_USED = "SELECT 1 FROM runs WHERE job = :job AND slot = :slot UNION ALL SELECT 1 FROM history WHERE job = :job AND slot = :slot"
 _SQL_HISTORY_COLUMNS = "job, slot, attempt, status, instance, started_at, finished_at, error, output"
 _SQL_RECORD_OF = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? AND slot = ? AND attempt = ?"
@@ -2204,8 +2212,8 @@ _SQL_PRUNE_CHECKPOINTS = (
     "AND h.slot = checkpoints.slot)"
 )
 _SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot; held is 1 when no attempt is given
-    f"SELECT CAST(? AS BIGINT) IS NULL OR EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE}), "
-    "(SELECT value FROM checkpoints WHERE job = ? AND slot = ?)"
+    f"SELECT CAST(:attempt AS BIGINT) IS NULL OR EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE}), "
+    "(SELECT value FROM checkpoints WHERE job = :job AND slot = :slot)"
 )
 _SQL_CHECKPOINT_SET = (
     "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (:job, :slot, :value, :now_ms, :attempt) "
@@ -2402,11 +2410,11 @@ class _SQLStore(_Store):
         (not a trigger: it would record a second run)."""
 
     @abc.abstractmethod
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+    def _read(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
         """The rows of one statement."""
 
     @abc.abstractmethod
-    def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
+    def _autocommit(self, sql: str, args: Sequence[Any] | Mapping[str, Any]) -> int:
         """One write statement, its own transaction; returns the number of rows it changed."""
 
     @abc.abstractmethod
@@ -2550,7 +2558,8 @@ class _SQLStore(_Store):
                 return None
             job, slot, attempt = expected.job, expected.slot, expected.attempt
             if expected.state == "running":
-                conn.execute(_SQL_END_ATTEMPT, ("interrupted", now_ms, reason, None, job, slot, attempt))
+                ended = {"status": "interrupted", "finished_at": now_ms, "error": reason, "output": None}
+                conn.execute(_SQL_END_ATTEMPT, {**ended, "job": job, "slot": slot, "attempt": attempt})
             if expected.cancel:
                 self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
                 return None
@@ -2584,13 +2593,21 @@ class _SQLStore(_Store):
     def renew_all(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim]:
         if self._autocommit(*self._renewal(owner, claims)) == len(claims):
             return []
-        return [c for c in claims if not self._read(_SQL_IS_HELD, (c.job, c.slot, c.attempt, owner))]
+        return [c for c in claims if not self._read(_SQL_IS_HELD, _held_by(c.job, c.slot, c.attempt, owner))]
 
     def report_progress(self, claim: _Claim, owner: str, progress: tuple[float | None, float | None]) -> None:
-        self._autocommit(_SQL_PROGRESS, (*progress, claim.job, claim.slot, claim.attempt, owner))
+        done, total = progress
+        self._autocommit(
+            _SQL_PROGRESS, {"done": done, "total": total, **_held_by(claim.job, claim.slot, claim.attempt, owner)}
+        )
 
     def set_process_group(self, claim: _Claim, owner: str, group: str) -> bool:
-        return self._autocommit(_SQL_SET_PROCESS_GROUP, (group, claim.job, claim.slot, claim.attempt, owner)) == 1
+        return (
+            self._autocommit(
+                _SQL_SET_PROCESS_GROUP, {"group": group, **_held_by(claim.job, claim.slot, claim.attempt, owner)}
+            )
+            == 1
+        )
 
     def process_group(self, job: str, slot: int) -> str | None:
         rows = self._read(_SQL_PROCESS_GROUP, (job, slot))
@@ -2604,10 +2621,11 @@ class _SQLStore(_Store):
 
     def _finish(self, conn: Any, owner: str, end: _End) -> bool:
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
-        if not conn.execute(_SQL_IS_HELD, (job, slot, attempt, owner)).fetchall():
+        if not conn.execute(_SQL_IS_HELD, _held_by(job, slot, attempt, owner)).fetchall():
             return False
-        ended = (end.status, end.now_ms, end.error, end.output, job, slot, attempt)
-        if conn.execute(_SQL_END_NEWEST, (*ended, job)).rowcount == 0:  # others were recorded since: made the newest
+        ended = {"status": end.status, "finished_at": end.now_ms, "error": end.error, "output": end.output}
+        ended.update(job=job, slot=slot, attempt=attempt)
+        if conn.execute(_SQL_END_NEWEST, ended).rowcount == 0:  # others were recorded since: made the newest
             conn.execute(self._SQL_FINISH_ATTEMPT, ended)
         if end.then is _AfterEnd.DONE:
             conn.execute(_SQL_DELETE_RUN, (job, slot))
@@ -2711,16 +2729,15 @@ class _SQLStore(_Store):
     # -- checkpoints and history ------------------------------------------------------------------
 
     def checkpoint_get(self, job: str, slot: int, fence: tuple[int, str] | None = None) -> tuple[bool, str | None]:
-        fenced = (None, None) if fence is None else fence
-        args = (fenced[0], job, slot, fenced[0], fenced[1], job, slot)
-        held, value = self._read(_SQL_CHECKPOINT_GET, args)[0]
+        attempt, owner = (None, None) if fence is None else fence
+        held, value = self._read(_SQL_CHECKPOINT_GET, _held_by(job, slot, attempt, owner))[0]
         return bool(held), value
 
     def checkpoint_write(
         self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
     ) -> bool:
         def work(conn: Any) -> bool:
-            if fence is not None and not conn.execute(_SQL_IS_HELD, (job, slot, fence[0], fence[1])).fetchall():
+            if fence is not None and not conn.execute(_SQL_IS_HELD, _held_by(job, slot, *fence)).fetchall():
                 return False
             if value is None:
                 conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
@@ -2841,7 +2858,8 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {  # (versions 2 and 3 were never writ
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
     # keeps the newest records, and a long run must not lose its record to those written while it ran
     "INSERT OR REPLACE INTO history (job, slot, attempt, status, instance, started_at, finished_at, error, output) "
-    "SELECT job, slot, attempt, ?, instance, started_at, ?, ?, ? FROM history WHERE job = ? AND slot = ? AND attempt = ?"
+    "SELECT job, slot, attempt, :status, instance, started_at, :finished_at, :error, :output FROM history "
+    "WHERE job = :job AND slot = :slot AND attempt = :attempt"
 )
 _SQL_INSTANCES = "SELECT instance, pid, start, namespace, boot_id, host, started_at, declares FROM instances"
 _SQL_INSTANCES_BEFORE_6 = "SELECT instance, pid, start, namespace, boot_id, NULL, started_at, NULL FROM instances"
@@ -3523,7 +3541,7 @@ class _SQLiteFile(_SQLStore):
                 raise StoreError(self.path, self._explain(exc)) from None
             raise
 
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+    def _read(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
         conn = self._connect()
         try:
             return conn.execute(sql, args).fetchall()
@@ -3558,7 +3576,7 @@ class _SQLiteFile(_SQLStore):
         """A number that changes whenever another connection commits to the file."""
         return int(self._read("PRAGMA data_version")[0][0])
 
-    def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
+    def _autocommit(self, sql: str, args: Sequence[Any] | Mapping[str, Any]) -> int:
         """One write statement, its own transaction; returns the number of rows it changed."""
         conn = self._connect()
         deadline = time.monotonic() + self._busy_timeout
@@ -4046,8 +4064,8 @@ _PG_RECONNECT = 5.0  # seconds a call waits for a lost connection to be made aga
 _PG_VERSION = "SELECT version FROM meta"
 _PG_SCHEMA_EXISTS = "SELECT to_regclass(?) IS NOT NULL"
 _PG_FINISH_ATTEMPT = (
-    "UPDATE history SET status = ?, finished_at = ?, error = ?, output = ?, "
-    "id = nextval(pg_get_serial_sequence('history', 'id')) WHERE job = ? AND slot = ? AND attempt = ?"
+    "UPDATE history SET status = :status, finished_at = :finished_at, error = :error, output = :output, "
+    "id = nextval(pg_get_serial_sequence('history', 'id')) WHERE job = :job AND slot = :slot AND attempt = :attempt"
 )
 # The runs, each with why its owner is gone (owner_pid: the key of the lock its owner held when it took
 # it). The server's locks are read once for all of them: owner_gone() read them all again for each run
@@ -4080,11 +4098,14 @@ _PG_READ_ONLY = "25006"  # a read-only server: a standby not yet promoted after 
 _PG_RETRY = ("40001", "40P01", _PG_READ_ONLY)
 
 
+_PG_NAME = r"(?<![:\w]):([a-z_]+)"  # a named parameter (``::`` is a cast)
+
+
 @functools.cache
 def _pg_sql(sql: str) -> str:
     """A statement of this file in psycopg's placeholders: ``?`` and ``:name`` to ``%s`` and
     ``%(name)s`` (no statement here has a ``?``, a ``%`` or a ``:`` in a literal)."""
-    return re.sub(r"(?<![:\w]):([a-z_]+)", r"%(\1)s", sql.replace("?", "%s"))
+    return re.sub(_PG_NAME, r"%(\1)s", sql.replace("?", "%s"))
 
 
 # A renewal is one text whatever the number of attempts (arrays, not a row of VALUES each), so it is
@@ -4109,9 +4130,19 @@ def _pg_renewal(owner: str, claims: Sequence[_Claim]) -> tuple[str, list[Any]]:
 
 @functools.cache
 def _pg_numbered(sql: str) -> bytes:
-    """A statement of this file with libpq's numbered placeholders (``$1``...), as bytes."""
+    """A statement of this file with libpq's numbered placeholders (``$1``...), as bytes: each
+    ``?`` in turn, or each ``:name`` by its place in ``_pg_names``."""
+    names = _pg_names(sql)
+    if names:
+        return re.sub(_PG_NAME, lambda match: f"${names.index(match.group(1)) + 1}", sql).encode()
     numbers = iter(range(1, sql.count("?") + 1))
     return re.sub(r"\?", lambda _match: f"${next(numbers)}", sql).encode()
+
+
+@functools.cache
+def _pg_names(sql: str) -> tuple[str, ...]:
+    """The named parameters of a statement, in the order of their first use."""
+    return tuple(dict.fromkeys(re.findall(_PG_NAME, sql)))
 
 
 class _PGConnection:
@@ -4386,7 +4417,7 @@ class _PGStore(_SQLStore):
         except self._psycopg.Error as exc:
             raise self._failed(exc) from None
 
-    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+    def _read(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
         return self._reconnecting(lambda raw: list(raw.execute(_pg_sql(sql), args).fetchall()))
 
     def _reconnecting(self, call: Callable[[Any], T]) -> T:
@@ -4411,13 +4442,14 @@ class _PGStore(_SQLStore):
             _pause(pause)
             pause = min(pause * 2, 1.0)
 
-    def _autocommit(self, sql: str, args: Sequence[Any]) -> int:
+    def _autocommit(self, sql: str, args: Sequence[Any] | Mapping[str, Any]) -> int:
         """One libpq call, which lets go of the GIL while it waits for the server: the heartbeat's
         renewal must not need the GIL back at each step of a round trip, as psycopg's own ``execute``
         does (behind an event loop that yields often, each step waits a switch interval or more)."""
         pq = self._psycopg.pq
         deadline = time.monotonic() + self._busy_timeout
-        params = [None if a is None else str(a).encode() for a in args]
+        values = [args[name] for name in _pg_names(sql)] if isinstance(args, Mapping) else args
+        params = [None if a is None else str(a).encode() for a in values]
         fresh = self._conn is None  # (a connection idle for long may have been ended by the server)
         while True:
             raw = self._connect()
