@@ -1654,7 +1654,7 @@ class _Backend(abc.ABC):
 ###############################################################################
 
 
-# Trust (the README's "Trust model"): the files this process acts on must be its own. A database, its
+# Trust (docs/database.md, "Trust model"): the files this process acts on must be its own. A database, its
 # -wal and -shm, the lease board or the liveness directory that another user owns, or that users
 # other than the owner may write, could make this process run, skip or record what they choose: it
 # is refused, as OpenSSH's StrictModes and cron refuse such files. With ``shared_group`` (an app
@@ -1703,7 +1703,7 @@ def _check_trusted(path: str, what: str, status: os.stat_result, shared_group: b
     """Raise ``StoreError`` naming ``path`` (``what`` it is) and the rule, if it is not to be trusted."""
     rule = _distrust(status, shared_group, directory)
     if rule is not None:
-        raise _Refused(path, f"{what} {rule}: refused (see the README's Trust model)")
+        raise _Refused(path, f"{what} {rule}: refused (see docs/database.md, Trust model)")
 
 
 def _what(suffix: str) -> str:
@@ -7677,8 +7677,8 @@ class Scheduler:
     file, its -wal and -shm, the lease board and the liveness directory may belong to another user
     of one of this process's groups, and that group may write them: an app user and a deploy user
     sharing a group; new ones are made writable by the group. Without it, those of another user, or
-    that users other than the owner may write, are refused with a ``StoreError``: the README's
-    "Trust model"). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
+    that users other than the owner may write, are refused with a ``StoreError``: the
+    "Trust model" in docs/database.md). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
 
     The store settings (``clock``, ``poll``, ``busy_timeout``, ``retention``, ``read_only``,
     ``durability``, ``shared_group``) go to the store that ``path`` names, which one factory
@@ -8022,7 +8022,7 @@ class Scheduler:
     def share_group(self) -> None:
         """Trust the SQLite file, its -wal and -shm, the lease board and the liveness directory
         when they belong to one of this process's groups, as ``shared_group=True`` does (the
-        README's "Trust model"), from the next connection on. Nothing on PostgreSQL."""
+        "Trust model" in docs/database.md), from the next connection on. Nothing on PostgreSQL."""
         backend = self._link.backend
         if isinstance(backend, _SQLite):
             backend.shared_group = True
@@ -10310,7 +10310,7 @@ def _global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
         action="store_true",
         default=default(False),
         help="trust a database file (and its -wal, -shm, lease board, liveness directory) of another user "
-        "of one of this process's groups that the group may write (README: Trust model)",
+        "of one of this process's groups that the group may write (docs/database.md: Trust model)",
     )
     parser.add_argument(
         "--log-level",
