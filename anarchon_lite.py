@@ -1007,11 +1007,26 @@ class _RRule(_Calendar):
 
     @staticmethod
     def _parse(rrule: Any, text: str, job: str) -> _rrule.rrule:
-        if "FREQ=" not in text.upper():
+        upper = text.upper()
+        if "FREQ=" not in upper:
             raise ConfigError(f"rrule {text!r} has no FREQ", job=job, option="rrule")
+        if "DTSTART" not in upper and re.search(r"\bCOUNT=", upper):
+            raise ConfigError(
+                f"rrule {text!r} has a COUNT and no DTSTART: it would count from 2000-01-01, long done; "
+                "give a DTSTART line, or an UNTIL",
+                job=job,
+                option="rrule",
+            )
         try:
             parsed = rrule.rrulestr(text.strip(), dtstart=_RRULE_EPOCH)
         except (ValueError, TypeError) as exc:
+            if "DTSTART" not in upper and re.search(r"\bUNTIL=[0-9T]+Z", upper):
+                raise ConfigError(
+                    f"rrule {text!r}: an UNTIL in UTC (ending in Z) needs a DTSTART with a zone; "
+                    "write UNTIL without the Z (in the job's zone) or give a DTSTART",
+                    job=job,
+                    option="rrule",
+                ) from None
             raise ConfigError(f"cannot read rrule {text!r}: {exc}", job=job, option="rrule") from None
         if not isinstance(parsed, rrule.rrule):
             raise ConfigError(

@@ -675,8 +675,8 @@ def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
                 await wait_for(lambda: calls["runs"] >= before["runs"] + 6, timeout=20, message="six more looks")
                 after = dict(calls)
         # (no whole read began after ``before``, which may have been taken in the middle of one: a
-    # whole read counts ``jobs``, then ``runs``, then ``newest_slot``)
-    assert after["jobs"] == before["jobs"] and after["newest_slot"] == after["jobs"], (before, after)
+        # whole read counts ``jobs``, then ``runs``, then ``newest_slot``)
+        assert after["jobs"] == before["jobs"] and after["newest_slot"] == after["jobs"], (before, after)
 
     run(main(), timeout=60)
 

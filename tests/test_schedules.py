@@ -300,6 +300,21 @@ def test_bad_rrule(bad):
     assert info.value.job == "report"
 
 
+def test_an_rrule_that_would_never_run_or_fail_obscurely_says_why():
+    """Without a DTSTART a rule starts at 2000-01-01: its COUNT would be long used up (the job never
+    ran, silently), and an UNTIL in UTC failed with dateutil's words about a DTSTART never written."""
+    with pytest.raises(ConfigError, match="COUNT and no DTSTART"):
+        Scheduler(":memory:").rrule("r", "FREQ=DAILY;COUNT=5", handler)
+    with pytest.raises(ConfigError, match="UNTIL in UTC"):
+        Scheduler(":memory:").rrule("r", "FREQ=DAILY;UNTIL=20300101T000000Z", handler)
+    s = Scheduler(":memory:")
+    s.rrule("counted", "DTSTART:20300101T000000\nRRULE:FREQ=DAILY;COUNT=2", handler, tz="UTC")
+    s.rrule("until", "FREQ=DAILY;UNTIL=20300103T000000", handler, tz="UTC")
+    after = dt.datetime(2029, 12, 31, tzinfo=UTC)
+    assert s.upcoming("counted", 5, after) == [dt.datetime(2030, 1, d, tzinfo=UTC) for d in (1, 2)]
+    assert s.upcoming("until", 9, after)[-1] == dt.datetime(2030, 1, 3, tzinfo=UTC)
+
+
 def test_unknown_zone():
     with pytest.raises(ConfigError) as info:
         Scheduler(":memory:").cron("c", "* * * * *", handler, tz="Mars/Olympus")
