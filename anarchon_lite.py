@@ -42,7 +42,7 @@ lets it continue::
 #   The run context and checkpoints, Running an attempt        what a handler gets; _Runner
 #   Planning occurrences, Metrics, Talking to systemd          what is due; Prometheus text; sd_notify
 #   The scheduler loop                                         _Loop: join, look, fire, claim, take over
-#   The scheduler                                              Scheduler (the public face) and Control
+#   The scheduler                                              Scheduler (the public face; _Declaring its jobs), Control
 #   The status page's server, The status page                  HTTP and tokens; StatusPage's pages
 #   Shell commands in process groups, Crontab files            what ``crontab`` runs, and reads
 #   The command line                                           ``python -m anarchon_lite``
@@ -7664,109 +7664,17 @@ class _Loop:
 ###############################################################################
 
 
-class Scheduler:
-    """Runs declared jobs from one SQLite file shared with other processes on this host, or from
-    one PostgreSQL database shared with processes on any host.
+class _Declaring:
+    """The jobs a ``Scheduler`` declares: the declaring half of its public face (``every``,
+    ``cron``, ``rrule``, ``at``, ``on_start``, ``remove``, ``reschedule`` and what tells of them),
+    over the process's ``_Declarations``.
 
-    ``path`` is the database file (created on first use, mode 0600), or a ``postgresql://`` URL
-    (tables in the schema ``anarchon``, or the URL's ``?schema=NAME``; needs psycopg 3, the
-    ``postgres`` extra); ``instance`` a readable id
-    for this process (default: host, pid and a random suffix). Other keyword arguments are for
-    tests and tuning: ``clock`` (a ``Clock``), ``poll`` (look at the file this often, at most every
-    1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
-    per job), ``blocked_warning`` (seconds of a blocked event loop before a warning),
-    ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
-    it was; None leaves it alone), ``read_only`` (only look at the file, for ``status()`` and
-    ``history()``: a missing file is a ``StoreError``, nothing is created, and the file may be in a
-    directory this process cannot write; such a scheduler cannot run or change anything),
-    ``notify`` (talk to systemd when ``$NOTIFY_SOCKET`` is set, for a service of ``Type=notify``:
-    ``READY=1`` once joined, ``STATUS=``, ``STOPPING=1``, and ``WATCHDOG=1`` from the event loop when
-    ``WatchdogSec=`` is set; for a process that systemd runs as the service itself, not for one of
-    its workers. The command line's ``run`` and ``crontab`` do it), ``metrics_file`` (a path, for
-    node_exporter's textfile collector: rewritten whole, at start and within a second of each
-    attempt's start and end, with what ``prometheus()`` returns), ``durability`` (of the SQLite
-    file's commits: ``"normal"``, the default, syncs the WAL to disk at its checkpoints, so a power
-    cut can lose the last commits, and an occurrence whose claim was lost may run again after power
-    returns, never twice while it is on; ``"full"`` syncs every commit, for about twice the bytes
-    written. On PostgreSQL the server's ``synchronous_commit`` decides), ``shared_group`` (the SQLite
-    file, its -wal and -shm, the lease board and the liveness directory may belong to another user
-    of one of this process's groups, and that group may write them: an app user and a deploy user
-    sharing a group; new ones are made writable by the group. Without it, those of another user, or
-    that users other than the owner may write, are refused with a ``StoreError``: the
-    "Trust model" in docs/database.md). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
+    Jobs may be declared, removed and rescheduled before the scheduler runs or while it does, from
+    any thread: it takes effect at the next look (at once), and the store records what this process
+    declares, for ``status``, ``trigger`` and ``forget`` in every process."""
 
-    The store settings (``clock``, ``poll``, ``busy_timeout``, ``retention``, ``read_only``,
-    ``durability``, ``shared_group``) go to the store that ``path`` names, which one factory
-    chooses (``_store_at``). ``store`` hands a store in instead: one built by ``_store_at``, or a
-    function given the store this scheduler would open and returning the one it uses (tests wrap
-    it to inject faults or count calls through the store interface).
-    """
-
-    def __init__(
-        self,
-        path: PathLike,
-        *,
-        instance: str | None = None,
-        clock: Clock | None = None,
-        poll: float | None = None,
-        busy_timeout: float = 30.0,
-        retention: int = 1000,
-        blocked_warning: float = 1.0,
-        switch_interval: float | None = 0.0005,
-        read_only: bool = False,
-        notify: bool = False,
-        metrics_file: PathLike | None = None,
-        durability: Literal["full", "normal"] = "normal",
-        shared_group: bool = False,
-        store: _Backend | Callable[[_Backend], _Backend] | None = None,
-    ):
-        self.path = os.fspath(path)
-        if instance is not None and not (
-            isinstance(instance, str) and instance.isprintable() and 0 < len(instance) <= 200
-        ):
-            raise ConfigError(f"must be printable text of 1 to 200 characters, not {instance!r}", option="instance")
-        self.instance = instance or f"{_safe_text(socket.gethostname())}-{os.getpid()}-{random.randrange(16**4):04x}"
-        self._clock = clock or Clock()
-        self._read_only = read_only
-        if isinstance(store, _Backend):
-            backend = store
-        else:
-            backend = _store_at(
-                self.path,
-                clock=self._clock,
-                poll=poll,
-                busy_timeout=busy_timeout,
-                retention=retention,
-                read_only=read_only,
-                durability=durability,
-                shared_group=shared_group,
-            )
-            if store is not None:
-                backend = store(backend)
-        self._declared = _Declarations(self.instance, self._clock)  #: the jobs this process declares
-        self._link = _StoreLink(backend, self._declared, self._clock)  #: the store, and every connection to it
-        self.checkpoints = CheckpointStore(self._link, self._clock)
-        self._events = _Events(self.instance)  #: what is told of runs: log lines, ``on_event`` listeners
-        #: the engine: serves while ``run()`` runs (its ``runner``: this process's running attempts)
-        self._loop = _Loop(
-            self.instance, self._clock, self._link, self.checkpoints, self._events, blocked_warning, switch_interval
-        )
-        self._signal_tasks: set[asyncio.Task[None]] = set()  #: the stops that signals began
-        self._body_signals: list[int] = []  #: the signals ``async with`` took (given back at its end)
-        self._body_cancelled = False  #: a signal cancelled the ``async with`` block's task
-        self._main: asyncio.Task[None] | None = None  #: the task that serves, while it does
-        self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
-        self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
-        if notify:
-            self.notify_systemd()
-        if metrics_file is not None:
-            self.keep_metrics(metrics_file)
-
-    # -- declaring jobs ---------------------------------------------------------------------------
-    #
-    # Jobs may be declared, removed and rescheduled before the scheduler runs or while it does, from
-    # any thread: it takes effect at the next look (at once), and the store records what this
-    # process declares, for ``status``, ``trigger`` and ``forget`` in every process.
+    _declared: _Declarations  #: the jobs this process declares (the ``Scheduler`` makes it)
+    _clock: Clock  #: wall and monotonic time, for ``upcoming``
 
     @overload
     def every(
@@ -7948,6 +7856,105 @@ class Scheduler:
         else:  # a naive datetime is taken as UTC, like every datetime this module returns
             cursor = _ms_from_dt(after if after.tzinfo else after.replace(tzinfo=_UTC))
         return job.schedule.following(cursor, count)
+
+
+class Scheduler(_Declaring):
+    """Runs declared jobs from one SQLite file shared with other processes on this host, or from
+    one PostgreSQL database shared with processes on any host.
+
+    ``path`` is the database file (created on first use, mode 0600), or a ``postgresql://`` URL
+    (tables in the schema ``anarchon``, or the URL's ``?schema=NAME``; needs psycopg 3, the
+    ``postgres`` extra); ``instance`` a readable id
+    for this process (default: host, pid and a random suffix). Other keyword arguments are for
+    tests and tuning: ``clock`` (a ``Clock``), ``poll`` (look at the file this often, at most every
+    1 s, instead of being woken by changes to it), ``busy_timeout`` (seconds a write waits for the lock), ``retention`` (history records kept
+    per job), ``blocked_warning`` (seconds of a blocked event loop before a warning),
+    ``switch_interval`` (the interpreter's GIL switch interval around lease renewals, if lower than
+    it was; None leaves it alone), ``read_only`` (only look at the file, for ``status()`` and
+    ``history()``: a missing file is a ``StoreError``, nothing is created, and the file may be in a
+    directory this process cannot write; such a scheduler cannot run or change anything),
+    ``notify`` (talk to systemd when ``$NOTIFY_SOCKET`` is set, for a service of ``Type=notify``:
+    ``READY=1`` once joined, ``STATUS=``, ``STOPPING=1``, and ``WATCHDOG=1`` from the event loop when
+    ``WatchdogSec=`` is set; for a process that systemd runs as the service itself, not for one of
+    its workers. The command line's ``run`` and ``crontab`` do it), ``metrics_file`` (a path, for
+    node_exporter's textfile collector: rewritten whole, at start and within a second of each
+    attempt's start and end, with what ``prometheus()`` returns), ``durability`` (of the SQLite
+    file's commits: ``"normal"``, the default, syncs the WAL to disk at its checkpoints, so a power
+    cut can lose the last commits, and an occurrence whose claim was lost may run again after power
+    returns, never twice while it is on; ``"full"`` syncs every commit, for about twice the bytes
+    written. On PostgreSQL the server's ``synchronous_commit`` decides), ``shared_group`` (the SQLite
+    file, its -wal and -shm, the lease board and the liveness directory may belong to another user
+    of one of this process's groups, and that group may write them: an app user and a deploy user
+    sharing a group; new ones are made writable by the group. Without it, those of another user, or
+    that users other than the owner may write, are refused with a ``StoreError``: the
+    "Trust model" in docs/database.md). ``":memory:"`` is refused (``StoreError``) when first used: processes share a file.
+
+    The store settings (``clock``, ``poll``, ``busy_timeout``, ``retention``, ``read_only``,
+    ``durability``, ``shared_group``) go to the store that ``path`` names, which one factory
+    chooses (``_store_at``). ``store`` hands a store in instead: one built by ``_store_at``, or a
+    function given the store this scheduler would open and returning the one it uses (tests wrap
+    it to inject faults or count calls through the store interface).
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        instance: str | None = None,
+        clock: Clock | None = None,
+        poll: float | None = None,
+        busy_timeout: float = 30.0,
+        retention: int = 1000,
+        blocked_warning: float = 1.0,
+        switch_interval: float | None = 0.0005,
+        read_only: bool = False,
+        notify: bool = False,
+        metrics_file: PathLike | None = None,
+        durability: Literal["full", "normal"] = "normal",
+        shared_group: bool = False,
+        store: _Backend | Callable[[_Backend], _Backend] | None = None,
+    ):
+        self.path = os.fspath(path)
+        if instance is not None and not (
+            isinstance(instance, str) and instance.isprintable() and 0 < len(instance) <= 200
+        ):
+            raise ConfigError(f"must be printable text of 1 to 200 characters, not {instance!r}", option="instance")
+        self.instance = instance or f"{_safe_text(socket.gethostname())}-{os.getpid()}-{random.randrange(16**4):04x}"
+        self._clock = clock or Clock()
+        self._read_only = read_only
+        if isinstance(store, _Backend):
+            backend = store
+        else:
+            backend = _store_at(
+                self.path,
+                clock=self._clock,
+                poll=poll,
+                busy_timeout=busy_timeout,
+                retention=retention,
+                read_only=read_only,
+                durability=durability,
+                shared_group=shared_group,
+            )
+            if store is not None:
+                backend = store(backend)
+        self._declared = _Declarations(self.instance, self._clock)  #: the jobs this process declares
+        self._link = _StoreLink(backend, self._declared, self._clock)  #: the store, and every connection to it
+        self.checkpoints = CheckpointStore(self._link, self._clock)
+        self._events = _Events(self.instance)  #: what is told of runs: log lines, ``on_event`` listeners
+        #: the engine: serves while ``run()`` runs (its ``runner``: this process's running attempts)
+        self._loop = _Loop(
+            self.instance, self._clock, self._link, self.checkpoints, self._events, blocked_warning, switch_interval
+        )
+        self._signal_tasks: set[asyncio.Task[None]] = set()  #: the stops that signals began
+        self._body_signals: list[int] = []  #: the signals ``async with`` took (given back at its end)
+        self._body_cancelled = False  #: a signal cancelled the ``async with`` block's task
+        self._main: asyncio.Task[None] | None = None  #: the task that serves, while it does
+        self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
+        self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
+        if notify:
+            self.notify_systemd()
+        if metrics_file is not None:
+            self.keep_metrics(metrics_file)
 
     # -- control from any process ----------------------------------------------------------------
 
