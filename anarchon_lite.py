@@ -2579,8 +2579,7 @@ class _SQLStore(_Store):
                 self._end(conn, expected, "cancelled", "cancelled while waiting", now_ms)
                 return None
             if attempt >= max_attempts:
-                self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
-                return _history_record(conn.execute(_SQL_RECORD_OF, (job, slot, attempt)).fetchone())
+                return self._end(conn, expected, "failed", f"gave up after {attempt} attempts (max_attempts)", now_ms)
             if attempt == 0 and self._full(conn, job, slot, overlap):
                 conn.execute(_SQL_DELETE_RUN, (job, slot))
                 self._skip(conn, job, slot, owner, now_ms)
@@ -2598,10 +2597,14 @@ class _SQLStore(_Store):
         conn.execute(_SQL_RECORD, skipped)
         self._prune(conn, job)
 
-    def _end(self, conn: Any, row: _RunRow, status: str, error: str, now_ms: int) -> None:
+    def _end(self, conn: Any, row: _RunRow, status: str, error: str, now_ms: int) -> RunRecord:
+        """End ``row``'s run with ``status``; its last attempt's record, as written (read before the
+        job's history is pruned, which may drop that record when it is an old one)."""
         conn.execute(_SQL_DELETE_RUN, (row.job, row.slot))
         conn.execute(_SQL_RECORD, _record(row.job, row.slot, row.attempt, status, finished_at=now_ms, error=error))
+        written = _history_record(conn.execute(_SQL_RECORD_OF, (row.job, row.slot, row.attempt)).fetchone())
         self._prune(conn, row.job)
+        return written
 
     # -- an attempt's writes (fenced) -------------------------------------------------------------
 

@@ -361,6 +361,39 @@ def test_a_run_failed_for_good_by_max_attempts_on_takeover_is_told_once_by_the_p
     run(main())
 
 
+def test_a_run_failed_by_max_attempts_is_told_though_pruning_drops_its_record(db, lease_clock):
+    """The run's last attempt is an old record (newer ``skipped`` ones came while it ran); ending
+    the run prunes the history (``retention=1``) and drops it. The end is still told, and the
+    looks go on (reading the record back after the prune failed every look from then on: the run
+    stayed ``running`` for ever)."""
+    clock = lease_clock
+    told = []
+
+    async def main():
+        b = make(db, clock, instance="b")
+        gate = threading.Event()
+        b.every("job", "24h", lambda ctx: gate.wait(5), offset=QUIET, max_attempts=1, lease="1s")
+        c = make(db, clock, instance="c", retention=1)
+        c.every("job", "24h", lambda ctx: None, offset=QUIET, max_attempts=1, lease="1s", on_failure=told.append)
+        async with b:
+            await b.trigger("job")
+            await wait_for(lambda: b._loop.runner.running)
+            b._loop.heartbeats.stop()
+            for _ in range(2):
+                await b.trigger("job")
+            await wait_for(lambda: has(b, "job", "skipped", 2), message="two newer records")
+            async with c:
+                await expire(clock, 2)
+                await wait_for(lambda: told, message="c tells of the failure")
+                (job,) = await c.status()
+                assert job.runs == ()
+            gate.set()
+        (record,) = told
+        assert (record.attempt, record.status) == (1, "failed") and "max_attempts" in record.error
+
+    run(main())
+
+
 def test_transient_store_failures_do_not_stop_the_scheduler(db, caplog):
     failures = {"finish_many": 2, "renew_all": 2, "claim_due_many": 1}
 
