@@ -1172,6 +1172,10 @@ class _Declared:
     # The first occurrence after a watermark, asked only for a job new to the store (a cron
     # schedule's costs tens of microseconds: a restart of 10,000 jobs asks none).
     first: Callable[[int], int | None] | None = dataclasses.field(default=None, compare=False)
+    # When it was declared or given this schedule while the scheduler ran: a schedule the store
+    # holds otherwise goes on from then. (None: declared before; a schedule changed between two
+    # runs of the program, a deploy, goes on from the watermark the store holds.)
+    since: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2341,6 +2345,14 @@ def _dialect(statements: Iterable[str], types: dict[str, str]) -> tuple[str, ...
 _job_row = _JobRow._make
 
 
+def _watermark(row: _JobRow, job: _Declared) -> int:
+    """The watermark of a job the store holds, declared anew: where it was, unless its schedule
+    was changed while the scheduler ran (then from that moment, or where it was, if later)."""
+    if job.since is None or row.schedule == job.schedule:
+        return int(row.last_slot)
+    return max(int(row.last_slot), job.since)
+
+
 def _first_slot(job: _Declared) -> int | None:
     """The next occurrence of a job new to the store, after its watermark."""
     return job.next_slot if job.first is None else job.first(job.last_slot)
@@ -2445,8 +2457,8 @@ class _SQLStore(_Store):
         def work(conn: Any) -> list[_JobRow]:
             before = {row.name: row for row in map(_job_row, conn.execute(_SQL_ALL_JOBS))}
             # Only what is new or declared otherwise is written: a restart of 10,000 jobs writes nothing.
-            # A job given another schedule goes on from now (or from its watermark, if later): the
-            # occurrences the new schedule would have had before are not missed, they never were.
+            # A job given another schedule while the scheduler runs goes on from then (``_watermark``):
+            # the occurrences the new schedule would have had before are not missed, they never were.
             # (one change number for the whole transaction: a reader sees all of its rows or none)
             changed = int(conn.execute(f"SELECT {_SQL_NEXT_CHANGE}").fetchone()[0])
             fresh = []
@@ -2457,7 +2469,7 @@ class _SQLStore(_Store):
                         {
                             "name": job.name,
                             "schedule": job.schedule,
-                            "last_slot": job.last_slot if row is None else max(row.last_slot, job.last_slot),
+                            "last_slot": job.last_slot if row is None else _watermark(row, job),
                             "next_slot": _first_slot(job) if row is None else None,
                             "definition": job.definition,
                             "declared_by": job.declared_by,
@@ -5612,6 +5624,7 @@ class _Job:
     options: _Options
     is_async: bool
     definition: str = ""  # what another process declaring the job must agree on: the schedule (and command)
+    since: int | None = None  #: declared (or rescheduled) while the scheduler ran, at this time (ms)
     #: The watermark last asked about and the first occurrence after it: each look asks again, and
     #: a cron schedule's next occurrence costs tens of microseconds.
     _next: tuple[int, int | None] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -5764,6 +5777,8 @@ class _Declarations:
 
     def _put(self, name: str, job: _Job | None) -> None:
         """Declare ``job`` as ``name`` (None: remove it), and have it recorded."""
+        if job is not None and self.live:
+            job.since = _ms(self._clock.time())
         jobs = dict(self.jobs) if self.live else self.jobs
         if job is None:
             del jobs[name]
@@ -5798,6 +5813,7 @@ class _Declarations:
                 job.definition,
                 self.instance,
                 job.schedule.next_after,
+                job.since,
             )
             for job in self.jobs.values()
         ]

@@ -201,3 +201,36 @@ def test_handlers_and_options_are_typed_for_a_type_checker(tmp_path):
     )
     errors = [line for line in done.stdout.splitlines() if ": error:" in line]
     assert sorted({int(line.split(":")[1]) for line in errors}) == [11, 12, 13], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("change", [{"interval": "30m"}, {"interval": "1h", "jitter": "1s"}])
+def test_a_schedule_changed_between_two_runs_of_the_program_keeps_its_catch_up(db, clock, change):
+    """A deploy that changes a job (another interval, or only a jitter) while nothing ran: at the
+    next start the job goes on from the watermark the store holds, so the occurrence missed while
+    nothing ran is caught up (``catch_up``) and the older ones are recorded ``missed``; only a
+    change made while the scheduler runs goes on from that moment."""
+    from schedulers import aligned
+
+    aligned(clock, HOUR)
+    hour = int(clock.time() + 0.5) * 1000
+
+    async def main():
+        first = make(db, clock)
+        first.every("job", "1h", lambda ctx: None, catch_up="2h")
+        async with first:
+            pass
+        clock.advance(HOUR)
+        second = make(db, clock)
+        interval = change["interval"]
+        second.every(
+            "job", interval, lambda ctx: None, catch_up="2h", **{k: v for k, v in change.items() if k != "interval"}
+        )
+        async with second:
+            await wait_for(lambda: has(second, "job", "succeeded"), message="the missed occurrence caught up")
+        return await statuses(second, "job")
+
+    found = run(main())
+    if change["interval"] == "30m":
+        assert found == [(hour, 0, "missed"), (hour + 1_800_000, 1, "succeeded")]
+    else:
+        assert found == [(hour, 1, "succeeded")]
