@@ -79,6 +79,7 @@ import sys
 import threading
 import time
 import traceback
+import unicodedata
 import zlib
 import zoneinfo
 from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
@@ -9940,14 +9941,24 @@ def _terminal(text: str) -> str:
 
 
 def _table(rows: list[list[str]], below: dict[int, list[str]] | None = None, columns: int | None = None) -> None:
-    """Print rows in columns as wide as their widest cell (the last one as it is, or cut to end
-    within ``columns``), and after row ``n`` the lines ``below[n]``."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    room = None if columns is None else max(12, columns - sum(widths) - 2 * len(widths))
+    """Print rows in columns as wide as their widest cell, in terminal columns (the last one as it
+    is), and after row ``n`` the lines ``below[n]``. Within ``columns``: the first and the last
+    column are cut (ending in "…") so that every line fits, the last one first, to 12."""
+    if columns is not None:
+        widths = [max(_width(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+        spare = columns - sum(widths) - 2 * len(widths) - 12
+        if spare < 0:  # (even the last column cut to 12 does not fit: the first gives way, to 8)
+            first = max(8, widths[0] + spare)
+            rows = [[_cut(row[0], first), *row[1:]] for row in rows]
+        widths = [max(_width(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+        room = max(1, columns - sum(widths) - 2 * len(widths))
+        rows = [[*row[:-1], _cut(row[-1], room)] for row in rows]
+        below = {n: [_cut(line, columns) for line in lines] for n, lines in (below or {}).items()}
+    widths = [max(_width(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for number, row in enumerate(rows):
-        last = row[-1] if room is None else _cut(row[-1], room)
-        lines.append("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), last]).rstrip())
+        cells = [cell + " " * (width - _width(cell)) for cell, width in zip(row, widths)]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
         lines.extend((below or {}).get(number, ()))
     print("\n".join(lines))  # (one write: 10,000 prints are a tenth of a status of 10,000 jobs)
 
@@ -10013,9 +10024,12 @@ def _print_status(
 def _zone_name(zone: _dt.tzinfo) -> str:
     """A zone as a table's header names it: its IANA name, else its abbreviation now."""
     key = getattr(zone, "key", None)
-    if isinstance(key, str) and ("/" in key or key == "UTC"):
+    if isinstance(key, str) and ("/" in key or key == "UTC") and len(key) <= _ZONE_NAME:
         return key.removeprefix("Etc/")
     return _dt.datetime.now(zone).strftime("%Z")
+
+
+_ZONE_NAME = 20  # a longer IANA name (America/Argentina/ComodRivadavia) is shown by its abbreviation
 
 
 def _short_when(moment: _dt.datetime | None, zone: _dt.tzinfo) -> str:
@@ -10023,8 +10037,24 @@ def _short_when(moment: _dt.datetime | None, zone: _dt.tzinfo) -> str:
     return "-" if moment is None else moment.astimezone(zone).strftime("%m-%d %H:%M:%S")
 
 
+def _width(text: str) -> int:
+    """How many terminal columns ``text`` takes: two for a wide character (日), none for a
+    combining one."""
+    if text.isascii():
+        return len(text)
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
 def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    """``text`` in at most ``width`` terminal columns, ending in "…" when it was cut."""
+    if _width(text) <= width:
+        return text
+    kept = ""
+    for character in text:
+        if _width(kept + character) > width - 1:
+            break
+        kept += character
+    return kept + "…"
 
 
 def _status_json(job: JobStatus) -> dict[str, Any]:

@@ -487,7 +487,7 @@ def start_marked_command(db, tmp_path, daemons, seconds, copies):
     end; the job triggered and started: (marks file, owner's pid, owner's children, the shell's pid)."""
     out = tmp_path / "marks.txt"
     crontab = tmp_path / "crontab"
-    mark = f"echo {{}} $ANARCHON_ATTEMPT $(date +%s.%N) >> {out}"
+    mark = f"echo {{}} $ANARCHON_ATTEMPT $(date +\\%s.\\%N) >> {out}"
     crontab.write_text(f"# name: once\n@every 24h {mark.format('start')}; sleep {seconds}; {mark.format('end')}\n")
     for _ in range(copies):
         daemons.start("--db", db, "crontab", str(crontab))
@@ -700,7 +700,7 @@ def test_status_and_next_show_when_a_jittered_occurrence_starts(store):
     start = datetime.datetime.fromtimestamp(schedule.start_of(slot) / 1000, datetime.timezone.utc)
     assert at.strftime("%H:%M:%S") == "03:00:00" and datetime.datetime.fromisoformat(job["next_start"]) == start
     row = next(line for line in cli(db, "status", "--utc").stdout.splitlines() if line.startswith("nightly"))
-    assert start.strftime("%m-%d %H:%M:%S") in row and "jitter 30m overlap 3" in row
+    assert start.strftime("%m-%d %H:%M:%S") in row and "jitter 30m" in row  # (cut to 100 columns after it)
     row = next(line for line in cli(db, "status", "--utc", "--wide").stdout.splitlines() if line.startswith("nightly"))
     assert start.strftime("%Y-%m-%d %H:%M:%S UTC") in row and "jitter 30m overlap 3" in row
     listed_next = cli(db, "next", "-n", "2", "--utc").stdout.splitlines()
@@ -846,6 +846,7 @@ def test_status_fits_100_columns_in_one_zone_and_wide_shows_everything(store, tm
     the hours hold all year), named in the header; ``--wide`` shows them whole, each time in its
     job's zone."""
     import asyncio
+    import unicodedata
 
     from anarchon_lite import Scheduler
 
@@ -855,6 +856,7 @@ def test_status_fits_100_columns_in_one_zone_and_wide_shows_everything(store, tm
         s = Scheduler(store)
         s.cron(long_name, "0 3 * * *", lambda ctx: None, tz="Asia/Tokyo")
         s.rrule("report", "FREQ=MONTHLY;BYDAY=-1FR;BYHOUR=17;BYMINUTE=0;BYSECOND=0", lambda ctx: None, tz="UTC")
+        s.every("夜間のエクスポート" * 3, "1h", lambda ctx: None)  # (27 characters, each two columns wide)
         async with s:
             pass
 
@@ -868,7 +870,12 @@ def test_status_fits_100_columns_in_one_zone_and_wide_shows_everything(store, tm
         check=True,
     ).stdout
     lines = table.splitlines()
-    assert max(map(len, lines)) <= 100, table
+
+    def columns(line):
+        return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+
+    assert max(map(columns, lines)) <= 100, table
+    assert len({columns(line.split("  active")[0]) for line in lines if "  active" in line}) == 1, table  # aligned
     assert lines[0].split()[:4] == ["JOB", "STATE", "NEXT", "(Asia/Kolkata)"]
     assert any(line.startswith(long_name[:23] + "…") for line in lines), table
     assert "JST" not in table and "UTC" not in table and "IST" not in table

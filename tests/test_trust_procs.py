@@ -276,7 +276,7 @@ def test_a_command_whose_run_is_lost_is_killed_at_once(tmp_path, daemons, pg_ser
     crontab = tmp_path / "crontab"
     crontab.write_text(
         f"TESTRUN={token}\n# name: stubborn\n"
-        f"@every 24h trap '' TERM; while :; do echo \"$ANARCHON_ATTEMPT $(date +%s%N)\" >> {out}; sleep 0.02; done\n"
+        f"@every 24h trap '' TERM; while :; do echo \"$ANARCHON_ATTEMPT $(date +\\%s\\%N)\" >> {out}; sleep 0.02; done\n"
     )
     try:
         start_crontab(daemons, url, crontab, 1)
