@@ -7684,6 +7684,15 @@ class _Loop:
 ###############################################################################
 
 
+def _unclaimed(handler: Any) -> bool:
+    """Whether a signal's handler is Python's default (or ``asyncio.run``'s for SIGINT), which
+    the application did not choose."""
+    if handler in (signal.SIG_DFL, signal.default_int_handler):
+        return True
+    function = getattr(handler, "func", handler)  # (asyncio.Runner's is a partial of its method)
+    return getattr(function, "__qualname__", "") == "Runner._on_sigint"
+
+
 class _Declaring:
     """The jobs a ``Scheduler`` declares: the declaring half of its public face (``every``,
     ``cron``, ``rrule``, ``at``, ``on_start``, ``remove``, ``reschedule`` and what tells of them),
@@ -7966,7 +7975,7 @@ class Scheduler(_Declaring):
             self.instance, self._clock, self._link, self.checkpoints, self._events, blocked_warning, switch_interval
         )
         self._signal_tasks: set[asyncio.Task[None]] = set()  #: the stops that signals began
-        self._body_signals: list[int] = []  #: the signals ``async with`` took (given back at its end)
+        self._body_signals: list[tuple[int, Any]] = []  #: the signals ``async with`` took (given back at its end)
         self._body_cancelled = False  #: a signal cancelled the ``async with`` block's task
         self._main: asyncio.Task[None] | None = None  #: the task that serves, while it does
         self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
@@ -8106,28 +8115,33 @@ class Scheduler(_Declaring):
         finally:
             self._give_signals_back(installed)
 
-    def _take_signals(self, only_unclaimed: bool, then: Callable[[], object] | None = None) -> list[int]:
+    def _take_signals(self, only_unclaimed: bool, then: Callable[[], object] | None = None) -> list[tuple[int, Any]]:
         """Stop on SIGTERM and SIGINT (a second one cuts the grace short), then call ``then``;
         only on the main thread, and with ``only_unclaimed`` only for a signal whose handling the
-        application left as Python's default. Returns the signals taken."""
-        taken: list[int] = []
+        application left as Python's (or ``asyncio.run``'s: Ctrl-C cancels the main task) default.
+        Returns the signals taken, each with the handler to give it back to."""
+        taken: list[tuple[int, Any]] = []
         if threading.current_thread() is not threading.main_thread():
             return taken
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            if only_unclaimed and signal.getsignal(signum) not in (signal.SIG_DFL, signal.default_int_handler):
+            before = signal.getsignal(signum)
+            if only_unclaimed and not _unclaimed(before):
                 continue
             try:
                 loop.add_signal_handler(signum, self._on_signal, signum, then)
-                taken.append(signum)
+                taken.append((signum, before))
             except (NotImplementedError, RuntimeError):
                 pass
         return taken
 
-    def _give_signals_back(self, taken: list[int]) -> None:
+    def _give_signals_back(self, taken: list[tuple[int, Any]]) -> None:
         loop = asyncio.get_running_loop()
-        for signum in taken:
+        for signum, before in taken:
             loop.remove_signal_handler(signum)
+            if before is not None:
+                signal.signal(signum, before)
+        taken.clear()
 
     def _on_signal(self, signum: int, then: Callable[[], object] | None = None) -> None:
         hurry = self._loop.runner.hurry
@@ -8159,6 +8173,9 @@ class Scheduler(_Declaring):
         waiter = asyncio.ensure_future(ready.wait())
         try:
             await asyncio.wait({self._main, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # (cancelled while starting, by a signal or the application: stop, then say so)
+            await self._stop_and_give_signals_back()
+            raise
         finally:
             waiter.cancel()
         if self._main.done():
@@ -8171,9 +8188,20 @@ class Scheduler(_Declaring):
             self._body_cancelled = True
             body.cancel()
 
+    async def _stop_and_give_signals_back(self) -> None:
+        """Stop (a cancel meanwhile waits for the hand-over before it goes on), and only then give
+        the signals back: a second one while stopping cuts the grace short, as under ``run()``."""
+        stopping = asyncio.ensure_future(self.stop())
+        try:
+            await asyncio.shield(stopping)
+        except asyncio.CancelledError:
+            await stopping
+            raise
+        finally:
+            self._give_signals_back(self._body_signals)
+
     async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> bool:
-        self._give_signals_back(self._body_signals)
-        await self.stop()
+        await self._stop_and_give_signals_back()
         if self._body_cancelled and kind is asyncio.CancelledError:
             self._body_cancelled = False
             task = asyncio.current_task()

@@ -389,20 +389,39 @@ def test_jobs_declared_and_removed_at_run_time_are_seen_by_every_process(procs):
         assert proc.wait(timeout=30) == 0
 
 
+def wait_for_line(stream, text, timeout=20.0):
+    """Read ``stream`` until a line holds ``text`` (``communicate`` then reads the rest)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if text in line:
+            return
+        assert line, f"the stream ended before {text!r}"
+    raise AssertionError(f"no line with {text!r}")
+
+
 ASYNC_WITH_APP = """
-import asyncio, sys
+import asyncio, logging, sys, time
 sys.path.insert(0, sys.argv[2])
 from anarchon_lite import Scheduler
 
+logging.basicConfig(level=logging.INFO)
 scheduler = Scheduler(sys.argv[1], poll=0.05)
 
 
-@scheduler.every("long", "24h", offset=int(sys.argv[3]))
-async def long(ctx):
+async def waits(ctx):
     print("started", flush=True)
     await ctx.signal.wait()
     print("aborted", type(ctx.signal.reason).__name__, flush=True)
     ctx.signal.throw_if_aborted()
+
+
+def deaf(ctx):  # (a thread that does not listen: only a second signal cuts its grace short)
+    print("started", flush=True)
+    time.sleep(30)
+
+
+scheduler.every("long", "24h", waits if sys.argv[4] == "waits" else deaf, offset=int(sys.argv[3]), grace="25s")
 
 
 async def main():
@@ -416,8 +435,16 @@ asyncio.run(main())
 """
 
 
-def test_sigterm_ends_an_async_with_block_and_hands_its_runs_over(store, tmp_path):
-    """An asyncio application that runs the scheduler with ``async with`` and waits for ever:
+@pytest.mark.parametrize(
+    ("handler", "signals"), [("waits", ["SIGTERM"]), ("waits", ["SIGINT"]), ("deaf", ["SIGTERM", "SIGTERM"])]
+)
+def test_sigterm_ends_an_async_with_block_and_hands_its_runs_over(store, tmp_path, handler, signals):
+    """Also SIGINT under ``asyncio.run`` (which has a handler of its own for it, on Python 3.11 and
+    newer), and a second SIGTERM while a handler that does not listen has its grace: the stop then
+    cuts the grace short and still hands over (it used to kill the process: the signals were given
+    back before the stop).
+
+    An asyncio application that runs the scheduler with ``async with`` and waits for ever:
     SIGTERM stops the scheduler as it stops ``run()`` (the handler sees ``Shutdown``, the run is
     handed over: ``interrupted``, waiting for the next process), ends the block, and the code
     after it runs; the process exits 0 (it used to be killed by the signal, with no hand-over)."""
@@ -427,15 +454,24 @@ def test_sigterm_ends_an_async_with_block_and_hands_its_runs_over(store, tmp_pat
     app.write_text(ASYNC_WITH_APP)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(
-        [sys.executable, str(app), store, root, str(QUIET)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(app), store, root, str(QUIET), handler],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline() == "started\n"
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
+        proc.send_signal(getattr(signal, signals[0]))
+        if len(signals) > 1:  # once the first is being handled: the stop waits out the grace
+            wait_for_line(proc.stderr, f"received {signals[0]}: stopping")
+            proc.send_signal(getattr(signal, signals[1]))
+        out, err = proc.communicate(timeout=20)  # (less than the deaf handler's 30 s and its 25 s grace)
         assert proc.returncode == 0, err
-        assert out == "aborted Shutdown\nafter the block\n", out + err
-        assert "attempt 1 interrupted" in err and "handed over: Shutdown" in err, err
+        expected = "aborted Shutdown\nafter the block\n" if handler == "waits" else "after the block\n"
+        assert out == expected, out + err
+        assert "attempt 1 interrupted" in err and "handed over" in err, err
+        if len(signals) > 1:
+            assert "cutting the grace short" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
