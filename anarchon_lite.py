@@ -1095,7 +1095,8 @@ def _described(description: str) -> tuple[str, str | None, int | None]:
 
 def _schedule_from(description: str, job: str) -> _Schedule:
     """The schedule a stored description names (``every 1h``, ``cron 0 3 * * * UTC``, ``rrule
-    FREQ=DAILY Europe/Paris``, ``@reboot``, each maybe with ``jitter 30s`` and ``overlap 3``): for
+    FREQ=DAILY Europe/Paris``, ``@reboot``, ``at 2026-12-24T16:00:00.000Z``, each maybe with
+    ``jitter 30s`` and ``overlap 3``): for
     the command line, which has no declarations."""
     base, jitter, _ = _described(description)
     if jitter is not None:
@@ -1111,6 +1112,9 @@ def _schedule_from(description: str, job: str) -> _Schedule:
         return _Cron(text, _zone(zone, job), job) if kind == "cron" else _RRule(text, _zone(zone, job), job)
     if base == _OnStart.description:
         return _OnStart()
+    if kind == "at":
+        with contextlib.suppress(ValueError):
+            return _At(_ms_from_dt(_dt.datetime.fromisoformat(rest.replace("Z", "+00:00"))))
     raise ConfigError(f"cannot read the stored schedule {description!r}", job=job)
 
 
@@ -7684,6 +7688,16 @@ class _Loop:
 ###############################################################################
 
 
+def _resumed_from(row: _JobRow, now_ms: int) -> int:
+    """Where a job resumed at ``now_ms`` goes on from: now (what came due while it was paused is
+    neither run nor recorded), but a one-shot job whose time passed during the pause just before
+    that time, so that it is found late (run within ``catch_up``, else recorded ``missed``)."""
+    try:
+        return _schedule_from(row.schedule, row.name).watermark(now_ms)
+    except ConfigError:  # (a schedule the command line cannot read: as any other)
+        return now_ms
+
+
 def _unclaimed(handler: Any) -> bool:
     """Whether a signal's handler is Python's default (or ``asyncio.run``'s for SIGINT), which
     the application did not choose."""
@@ -8029,7 +8043,13 @@ class Scheduler(_Declaring):
 
     async def _set_paused(self, name: str, paused: bool) -> None:
         now = _ms(self._clock.time())
-        if not await self._link.call(lambda s: s.set_paused(name, paused, now)):
+
+        def set_paused(store: _Store) -> bool:
+            row = None if paused else store.job(name)
+            since = now if row is None else _resumed_from(row, now)
+            return store.set_paused(name, paused, since)
+
+        if not await self._link.call(set_paused):
             raise JobNotFound("no such job in the database", job=name)
         self._loop.poke()
 

@@ -234,3 +234,52 @@ def test_a_schedule_changed_between_two_runs_of_the_program_keeps_its_catch_up(d
         assert found == [(hour, 0, "missed"), (hour + 1_800_000, 1, "succeeded")]
     else:
         assert found == [(hour, 1, "succeeded")]
+
+
+def test_a_one_shot_job_paused_across_its_time_is_caught_up_or_recorded_missed_when_resumed(db, clock):
+    """Resuming moves a job's watermark to now (what came due during the pause is not run); a
+    one-shot job's time would then be lost without a trace, and the job called ``done``. Resumed,
+    it is found late instead: run within ``catch_up``, else recorded ``missed``."""
+    seen = []
+
+    async def main():
+        when = clock.time() + 60
+        s = make(db, clock)
+        s.at("caught", when, lambda ctx: seen.append("caught"), catch_up="1h")
+        s.at("missed", when, lambda ctx: seen.append("missed"))
+        async with s:
+            for name in ("caught", "missed"):
+                await s.pause(name)
+            clock.advance(120)
+            for name in ("caught", "missed"):
+                await s.resume(name)
+            await wait_for(lambda: has(s, "caught", "succeeded"))
+            await wait_for(lambda: has(s, "missed", "missed"))
+            assert {job.name: job.state for job in await s.status()} == {"caught": "done", "missed": "done"}
+        assert seen == ["caught"]
+
+    run(main())
+
+
+def test_the_command_line_reads_a_one_shot_jobs_stored_schedule(db):
+    """``next`` lists a one-shot job's time (it could not read ``at ...`` and left the job out)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    async def declare():
+        s = Scheduler(db)
+        s.at("launch", "2030-01-02T03:04:05Z", lambda ctx: None)
+        await s.status()
+
+    run(declare())
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-m", "anarchon_lite", "--db", db, "next", "-n", "3", "--utc"],
+        env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.splitlines()[0] == "launch: at 2030-01-02T03:04:05.000Z"
+    assert "2030-01-02 03:04:05 UTC" in done.stdout and done.stderr == "", done.stdout + done.stderr
