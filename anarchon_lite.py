@@ -5741,6 +5741,7 @@ class _Declarations:
         self.version = 0  #: one more after each change of ``jobs``: the store records them again
         self.live = False  #: the scheduler serves: change ``jobs`` by replacing it, and call ``changed``
         self.changed: Callable[[], None] | None = None  #: tells the serving loop (from any thread)
+        self._lock = threading.Lock()  #: held while a change is checked and made (from any thread)
         self._disputes: set[tuple[str, str | None]] = set()  #: (job, other definition) already warned of
 
     def declare(self, name: str, schedule: _Schedule, handler: Handler | None, given: dict[str, Any]) -> Any:
@@ -5756,9 +5757,12 @@ class _Declarations:
         def register(function: Handler) -> Handler:
             if not callable(function):
                 raise ConfigError(f"handler must be callable, not {function!r}", job=name)
-            if name in self.jobs:
-                raise ConfigError("a job with this name is already declared", job=name)
-            self._put(name, _Job(name, schedule, function, options, _is_async(function)))
+            job = _Job(name, schedule, function, options, _is_async(function))
+            with self._lock:
+                if name in self.jobs:
+                    raise ConfigError("a job with this name is already declared", job=name)
+                self._put(name, job)
+            self._tell()
             return function
 
         return register if handler is None else register(handler)
@@ -5772,16 +5776,20 @@ class _Declarations:
 
     def remove(self, name: str) -> None:
         """Stop declaring job ``name`` (``JobNotFound`` if this process does not)."""
-        self.job(name)
-        self._put(name, None)
+        with self._lock:
+            self.job(name)
+            self._put(name, None)
+        self._tell()
 
     def reschedule(self, name: str, schedule: _Schedule) -> None:
         """Give job ``name`` another schedule, with its handler and options."""
-        job = self.job(name)
-        self._put(name, _Job(name, schedule, job.handler, job.options, job.is_async))
+        with self._lock:
+            job = self.job(name)
+            self._put(name, _Job(name, schedule, job.handler, job.options, job.is_async))
+        self._tell()
 
     def _put(self, name: str, job: _Job | None) -> None:
-        """Declare ``job`` as ``name`` (None: remove it), and have it recorded."""
+        """Declare ``job`` as ``name`` (None: remove it), under ``_lock``; the caller then tells."""
         if job is not None and self.live:
             job.since = _ms(self._clock.time())
         jobs = dict(self.jobs) if self.live else self.jobs
@@ -5789,12 +5797,18 @@ class _Declarations:
             del jobs[name]
         else:
             jobs[name] = job
-        self.replace(jobs)
+        self.jobs = jobs
+        self.version += 1
 
     def replace(self, jobs: dict[str, _Job]) -> None:
         """Declare ``jobs`` instead of the current ones (a crontab read again)."""
-        self.jobs = jobs
-        self.version += 1
+        with self._lock:
+            self.jobs = jobs
+            self.version += 1
+        self._tell()
+
+    def _tell(self) -> None:
+        """Have the serving loop record the declarations again (outside ``_lock``)."""
         changed = self.changed
         if changed is not None:
             changed()

@@ -283,3 +283,31 @@ def test_the_command_line_reads_a_one_shot_jobs_stored_schedule(db):
     )
     assert done.stdout.splitlines()[0] == "launch: at 2030-01-02T03:04:05.000Z"
     assert "2030-01-02 03:04:05 UTC" in done.stdout and done.stderr == "", done.stdout + done.stderr
+
+
+def test_jobs_declared_from_many_threads_at_once_are_all_declared(db):
+    """Eight threads declaring while the scheduler runs in its own, with the interpreter switching
+    threads as often as it can: every declaration that returned is declared (a check, a copy and a
+    replace with no lock lost a third of them)."""
+    import sys
+
+    s = make(db)
+    s.every("first", "24h", lambda ctx: None, offset=QUIET)
+    s.start_in_thread()
+    switching = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(1e-6)
+
+        def declare(thread):
+            for n in range(200):
+                s.every(f"job-{thread}-{n}", "24h", lambda ctx: None, offset=QUIET)
+
+        threads = [threading.Thread(target=declare, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switching)
+        s.stop_thread(grace=5)
+    assert len(s.declared()) == 1 + 8 * 200
