@@ -89,6 +89,7 @@ from typing import (
     Callable,
     Literal,
     NamedTuple,
+    Optional,
     TypedDict,
     TypeVar,
     Union,
@@ -101,7 +102,15 @@ if TYPE_CHECKING:  # imported when needed: dateutil for rrule schedules, argpars
 
     from dateutil import rrule as _rrule
     from dateutil.relativedelta import relativedelta
-    from typing_extensions import Unpack  # (for type checkers only: typing has it from Python 3.11)
+    from typing_extensions import Unpack  # (typing has it from Python 3.11)
+elif sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # (what ``typing.get_type_hints`` reads of ``**options: Unpack[JobOptions]`` on Python 3.9 and 3.10)
+
+    class Unpack:
+        def __class_getitem__(cls, item: object) -> object:
+            return item
+
 
 __version__ = "0.1.0"
 
@@ -157,16 +166,17 @@ class JobOptions(TypedDict, total=False):
     """The options every kind of job takes, as keywords (the README's table says what each does):
     a type checker refuses a misspelt one."""
 
-    timeout: DurationLike | None
-    overlap: Literal["skip", "allow"] | int
+    # (``Optional`` and ``Union``, not ``|``: ``typing.get_type_hints`` reads them on Python 3.9)
+    timeout: Optional[DurationLike]  # noqa: UP045
+    overlap: Union[Literal["skip", "allow"], int]  # noqa: UP007
     lease: DurationLike
     retries: int
     retry_delay: DurationLike
     max_attempts: int
     grace: DurationLike
-    catch_up: DurationLike | None
-    jitter: DurationLike | None
-    on_failure: FailureHook | None
+    catch_up: Optional[DurationLike]  # noqa: UP045
+    jitter: Optional[DurationLike]  # noqa: UP045
+    on_failure: Optional[FailureHook]  # noqa: UP045
     on_failure_every_attempt: bool
 
 

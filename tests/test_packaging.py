@@ -87,3 +87,18 @@ def test_the_module_docstrings_example_names_everything_it_uses(monkeypatch, tmp
     monkeypatch.chdir(tmp_path)
     exec(compile(example.replace("\n    ", "\n"), "example", "exec"), {"batches_after": None, "export_batch": None})  # noqa: S102 - our own docstring
     assert started == [None]
+
+
+def test_the_declaring_types_are_read_at_run_time_too():
+    """``typing.get_type_hints`` (what documentation tools and validators call) reads the options
+    and the declaring methods: ``Unpack`` is only for type checkers, and was missing at run time."""
+    import sys
+    import typing
+
+    import anarchon_lite
+
+    hints = typing.get_type_hints(anarchon_lite.JobOptions)
+    assert {"timeout", "overlap", "jitter", "on_failure"} <= set(hints)
+    if sys.version_info >= (3, 10):  # (3.9 cannot read the ``X | None`` of the rest of the file)
+        for method in ("every", "cron", "rrule", "at", "on_start"):
+            assert "options" in typing.get_type_hints(getattr(anarchon_lite.Scheduler, method))
