@@ -7830,7 +7830,9 @@ class _Declaring:
         job. ``when`` is an aware ``datetime``, a naive one or an ISO 8601 string (in zone ``tz``,
         default the local zone), or Unix epoch seconds. The store keeps that it ran: a process
         started again that declares it again does not run it again. A ``when`` already past runs
-        if it is no more than 5 s late, or within ``catch_up``; otherwise it is recorded ``missed``."""
+        if it is no more than 5 s late, or within ``catch_up``; otherwise it is recorded ``missed``.
+        Give every process the same ``when``: one computed at start (``now + 5 minutes``) is
+        another schedule in each process and at each start, and runs once for each."""
         return self._declared.declare(name, _At(_at_time(when, _zone(tz, name), name)), handler, dict(options))
 
     @overload
