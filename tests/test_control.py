@@ -298,6 +298,20 @@ def test_lease_expiry_takeover_fences_the_old_attempt(db, lease_clock):
     run(main())
 
 
+async def freeze_its_run(b):
+    """Trigger ``job`` on ``b`` and, once its attempt runs, stop ``b``'s renewals: a frozen owner."""
+    await b.trigger("job")
+    await wait_for(lambda: b._loop.runner.running)
+    b._loop.heartbeats.stop()
+
+
+async def taken_over(c, clock, done, message="the takeover"):
+    """Run ``c`` until, its lease run out, the frozen owner's run is ended and ``done()`` holds."""
+    async with c:
+        await expire(clock, 2)
+        await wait_for(done, message=message)
+
+
 def test_max_attempts(db, lease_clock):
     clock = lease_clock
 
@@ -314,12 +328,8 @@ def test_max_attempts(db, lease_clock):
         c = make(db, clock, instance="c")
         c.every("job", "1h", lambda ctx: None, max_attempts=1, lease="1s")
         async with b:
-            await b.trigger("job")
-            await wait_for(lambda: b._loop.runner.running)
-            b._loop.heartbeats.stop()
-            async with c:
-                await expire(clock, 2)
-                await wait_for(lambda: has(c, "job", "failed"))
+            await freeze_its_run(b)
+            await taken_over(c, clock, lambda: has(c, "job", "failed"))
             gate.set()
         records = [r for r in await c.history("job") if r.status == "failed"]
         assert "max_attempts" in records[0].error
@@ -346,12 +356,8 @@ def test_a_run_failed_for_good_by_max_attempts_on_takeover_is_told_once_by_the_p
         c = make(db, clock, instance="c")
         c.every("job", "24h", lambda ctx: None, offset=QUIET, max_attempts=1, lease="1s", on_failure=told["c"].append)
         async with b:
-            await b.trigger("job")
-            await wait_for(lambda: b._loop.runner.running)
-            b._loop.heartbeats.stop()
-            async with c:
-                await expire(clock, 2)
-                await wait_for(lambda: told["c"], message="c tells of the failure")
+            await freeze_its_run(b)
+            await taken_over(c, clock, lambda: told["c"], "c tells of the failure")
             gate.set()
         (record,) = told["c"]
         assert (record.attempt, record.status, record.instance) == (1, "failed", "b")
@@ -376,17 +382,13 @@ def test_a_run_failed_by_max_attempts_is_told_though_pruning_drops_its_record(db
         c = make(db, clock, instance="c", retention=1)
         c.every("job", "24h", lambda ctx: None, offset=QUIET, max_attempts=1, lease="1s", on_failure=told.append)
         async with b:
-            await b.trigger("job")
-            await wait_for(lambda: b._loop.runner.running)
-            b._loop.heartbeats.stop()
+            await freeze_its_run(b)
             for _ in range(2):
                 await b.trigger("job")
             await wait_for(lambda: has(b, "job", "skipped", 2), message="two newer records")
-            async with c:
-                await expire(clock, 2)
-                await wait_for(lambda: told, message="c tells of the failure")
-                (job,) = await c.status()
-                assert job.runs == ()
+            await taken_over(c, clock, lambda: told, "c tells of the failure")
+            (job,) = await c.status()
+            assert job.runs == ()
             gate.set()
         (record,) = told
         assert (record.attempt, record.status) == (1, "failed") and "max_attempts" in record.error
