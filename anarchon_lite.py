@@ -1106,8 +1106,7 @@ def _described(description: str) -> tuple[str, str | None, int | None]:
 def _schedule_from(description: str, job: str) -> _Schedule:
     """The schedule a stored description names (``every 1h``, ``cron 0 3 * * * UTC``, ``rrule
     FREQ=DAILY Europe/Paris``, ``@reboot``, ``at 2026-12-24T16:00:00.000Z``, each maybe with
-    ``jitter 30s`` and ``overlap 3``): for
-    the command line, which has no declarations."""
+    ``jitter 30s`` and ``overlap 3``): for the command line, which has no declarations."""
     base, jitter, _ = _described(description)
     if jitter is not None:
         return _Jittered(_schedule_from(base, job), parse_duration(jitter, job=job, option="jitter"), job)
@@ -2074,7 +2073,7 @@ _SQL_REGISTER = (
     "ON CONFLICT (name) DO UPDATE SET "
     # (``next_slot`` is always the first occurrence after ``last_slot``, or NULL: unknown)
     "next_slot = CASE WHEN jobs.schedule != excluded.schedule THEN NULL ELSE jobs.next_slot END, "
-    # (a schedule changed: its occurrences start after the watermark ``register`` gives, now)
+    # (a schedule changed: its occurrences come after the watermark ``register`` gives: ``_watermark``)
     "last_slot = CASE WHEN jobs.schedule != excluded.schedule THEN excluded.last_slot ELSE jobs.last_slot END, "
     "changed = excluded.changed, "
     "schedule = excluded.schedule, definition = excluded.definition, declared_by = excluded.declared_by"
@@ -5523,19 +5522,7 @@ class _Watchdog:
 
 _OVERLAP = {"skip": 1, "allow": None}  # the words ``overlap`` takes, as the number of runs they allow
 _MIN_LEASE = 0.25  # seconds: renewed every third, a renewal may come 160 ms late (10x the worst measured)
-_KNOWN_OPTIONS = (
-    "timeout",
-    "overlap",
-    "lease",
-    "retries",
-    "retry_delay",
-    "max_attempts",
-    "grace",
-    "catch_up",
-    "jitter",
-    "on_failure",
-    "on_failure_every_attempt",
-)
+_KNOWN_OPTIONS = tuple(JobOptions.__annotations__)  # (their names, as the type checker knows them)
 
 
 @dataclasses.dataclass(frozen=True)
