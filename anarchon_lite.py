@@ -7216,6 +7216,61 @@ def _skipped(job: _Job) -> str:
     return f"skipped: {overlap} runs of the job are unfinished (overlap {overlap})"
 
 
+def _tell_missed(events: _Events, job: _Job, item: _Due) -> None:
+    """Tell that occurrences of ``job`` up to ``item`` were found late and not run."""
+    count = item.missed_count
+    what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
+    events.tell(logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count)
+
+
+def _tell_taken_over(events: _Events, run: _RunRow, claim: _Claim, reason: str) -> None:
+    """Tell that ``run``, whose owner is gone (``reason``), was taken over as ``claim``."""
+    what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
+    events.tell(
+        logging.WARNING, "taken_over", run.job, claim.slot, claim.attempt, what, status="taken_over", error=reason
+    )
+
+
+def _from_own_place(ready: list[T], instance: str) -> list[T]:
+    """``ready`` begun at a place of ``instance``'s own, so that processes finding thousands due at
+    once share them instead of all claiming the same first ones."""
+    turn = zlib.crc32(instance.encode()) % len(ready)
+    return ready[turn:] + ready[:turn]
+
+
+def _greeting(where: str, instance: str, count: int, first: tuple[int, str] | None, now: float) -> str:
+    """The start-up line: where this process joined, as whom, how many jobs it declares, and the
+    first occurrence due (``first``: its time in ms and its job), with how long until it."""
+    text = f"joined {where} as {instance}: {count} job{'' if count == 1 else 's'} declared"
+    if first is not None:
+        due, name = first
+        at = _utc_from_ms(due).astimezone(_local_zone()).strftime("%Y-%m-%d %H:%M:%S %Z")
+        text += f", next {name!r} at {at} (in {format_duration(max(0, math.ceil(due / 1000 - now)))})"
+    return text
+
+
+def _service_status(jobs: int, running: int, failing: str | None) -> str:
+    """What a serving process is doing, in a line (systemd's ``STATUS=``)."""
+    text = f"{jobs} jobs, {running} running"
+    return text if failing is None else f"{text}; failing: {failing}"
+
+
+def _stopping_status(running: int, drain: float) -> tuple[str, ...]:
+    """What systemd is told as a process stops: the status line, ``STOPPING=1`` and, with runs to
+    hand over, the ``drain`` seconds that may take."""
+    fields = ["STOPPING=1"]
+    if running:
+        fields.append(f"EXTEND_TIMEOUT_USEC={int(drain * 1e6)}")
+    return (f"stopping: handing over {running} running", *fields)
+
+
+#: The warning of a clock that reads earlier than the newest occurrence recorded (the clock, the
+#: database, that occurrence).
+_CLOCK_UNSET = (
+    "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing until it is corrected"
+)
+
+
 class _Loop:
     """What a running scheduler does: ``serve()`` joins the store's processes, looks at the store
     again and again (``_tick``), sleeps between looks until something is due or a change is told,
@@ -7419,30 +7474,18 @@ class _Loop:
     def _greet(self) -> None:
         """Say, once the first look is done, that this process has joined, and what comes next
         (a process that would otherwise stay silent until its first run looks hung)."""
-        agenda, now = self._agenda, self._clock.time()
-        first = None if agenda is None else agenda.first()
-        count = len(self._declared.jobs)
-        text = f"joined {self._where} as {self.instance}: {count} job{'' if count == 1 else 's'} declared"
-        if first is not None:
-            due, name = first
-            at = _utc_from_ms(due).astimezone(_local_zone()).strftime("%Y-%m-%d %H:%M:%S %Z")
-            text += f", next {name!r} at {at} (in {format_duration(max(0, math.ceil(due / 1000 - now)))})"
-        _log.info("%s", text)
+        first = None if self._agenda is None else self._agenda.first()
+        _log.info("%s", _greeting(self._where, self.instance, len(self._declared.jobs), first, self._clock.time()))
 
     def _doing(self) -> str:
         """What this process is doing, in a line (systemd's ``STATUS=``)."""
-        text = f"{len(self._declared.jobs)} jobs, {len(self.runner.running)} running"
-        return text if self._failing is None else f"{text}; failing: {self._failing}"
+        return _service_status(len(self._declared.jobs), len(self.runner.running), self._failing)
 
     def _stopping_told(self) -> None:
         """Tell systemd that this process stops, and how long handing its runs over may take."""
-        if self.notify is None:
-            return
-        running = self.runner.running
-        fields = ["STOPPING=1"]
-        if running:
-            fields.append(f"EXTEND_TIMEOUT_USEC={int(self.runner.longest_drain() * 1e6)}")
-        self.notify.status(f"stopping: handing over {len(running)} running", *fields)
+        if self.notify is not None:
+            running = len(self.runner.running)
+            self.notify.status(*_stopping_status(running, self.runner.longest_drain() if running else 0.0))
 
     async def _join(self) -> bool:
         """Record this process among the store's running instances, with what it declares (in the
@@ -7548,13 +7591,8 @@ class _Loop:
             self._clock_warned = False
             return False
         if not self._clock_warned:
-            _log.warning(
-                "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
-                "until it is corrected",
-                _utc_from_ms(now_ms).isoformat(),
-                self._where,
-                _utc_from_ms(self._newest).isoformat(),
-            )
+            now, newest = _utc_from_ms(now_ms).isoformat(), _utc_from_ms(self._newest).isoformat()
+            _log.warning(_CLOCK_UNSET, now, self._where, newest)
             self._clock_warned = True
         return True
 
@@ -7610,8 +7648,7 @@ class _Loop:
         process begins at a place of its own in the list, so that processes finding thousands
         due at once share them. Returns the watermarks that had moved, by job."""
         if len(ready) > _CLAIM_BATCH:
-            turn = zlib.crc32(self.instance.encode()) % len(ready)
-            ready = ready[turn:] + ready[:turn]
+            ready = _from_own_place(ready, self.instance)
         moved = {}
         for start in range(0, len(ready), _CLAIM_BATCH):
             if start:
@@ -7632,11 +7669,7 @@ class _Loop:
                 moved[job.name] = row.last_slot
                 continue
             if item.missed:
-                count = item.missed_count
-                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
-                self._events.tell(
-                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
-                )
+                _tell_missed(self._events, job, item)
             if isinstance(claim, _Claim):
                 self.runner.start(job, claim)
             elif item.run:
@@ -7692,17 +7725,7 @@ class _Loop:
             return 0.0
         if claim is not None:
             if run.state == "running":
-                what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
-                self._events.tell(
-                    logging.WARNING,
-                    "taken_over",
-                    run.job,
-                    claim.slot,
-                    claim.attempt,
-                    what,
-                    status="taken_over",
-                    error=reason,
-                )
+                _tell_taken_over(self._events, run, claim, reason)
             self.runner.start(job, claim)
         return 0.0
 
