@@ -1634,7 +1634,7 @@ class _AsyncRenewal(abc.ABC):
 
     #: How long after a round's plan the loop renews if the thread has not. Less than a round trip:
     #: the two often renew side by side (a second UPDATE, harmless), but a starved thread costs
-    #: only this much (in chunks mode, 3 ms here gave a p50 of 7 ms and 1 ms one of 5 ms).
+    #: only this much (a renewal 5 ms late at p50, against 7 ms at 3 ms).
     delay = 0.001
 
     @abc.abstractmethod
@@ -1910,7 +1910,7 @@ class _Liveness:
         self._loop, self._on_change = loop, on_change
         self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
         self._listener: socket.socket | None = None
-        self._own: tuple[str, int] | None = None  # our socket's name and inode
+        self._own: tuple[str, int] | None = None  # this process's socket's name and inode
         self._watched: dict[str, _Watched] = {}
         self._forgot = time.monotonic()
 
@@ -2109,8 +2109,7 @@ _SQL_JOB_RUNS = "SELECT count(*) FROM runs WHERE job = ?"
 # Every job with what ``status`` shows: whether a running process declares it (``{undeclared}``:
 # NULL when that cannot be told) and its newest record, which the job's row keeps (``last_status``,
 # ``last_at``: written by triggers on ``history``, whoever writes the record). One read: 10,000 jobs
-# are scanned once. (Found in ``history`` instead, the newest record of each job was two look-ups
-# per job, two thirds of the time a ``status`` of 10,000 jobs took.)
+# are scanned once (two look-ups a job in ``history`` would be two thirds of a ``status``'s time).
 _SQL_JOB_STATUSES = (
     "SELECT name, schedule, paused, last_slot, next_slot, definition, declared_by, {undeclared}, last_status, "
     "last_at FROM jobs ORDER BY name"
@@ -2530,8 +2529,8 @@ class _SQLStore(_Store):
         def work(conn: Any) -> list[_Claimed]:
             return [self._claim_due(conn, owner, now_ms, item) for item in due]
 
-        # (Of four processes claiming the same due jobs, three find them moved: their telling woke
-        # the others for nothing, 3,700 times in the PostgreSQL benchmark's 45 s.)
+        # (Only claims won are told: of four processes claiming the same due jobs, three find them
+        # moved, and telling that would wake the others for nothing, 3,700 times in 45 s.)
         return self._write(work, notify=lambda claims: any(c is not _NotClaimed.MOVED for c in claims))
 
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
@@ -2842,8 +2841,8 @@ class _SQLStore(_Store):
 ###############################################################################
 
 # The WAL is written back into the file once it holds this many bytes of pages (1 MiB), and cut
-# back to this size after: it outgrows that only while a reader keeps an old snapshot. (At a quarter
-# of that, the load test's renewals waited 2-3 times longer at p50 behind the extra checkpoints.)
+# back to this size after: it outgrows that only while a reader keeps an old snapshot. (A quarter of
+# it makes renewals wait 2-3 times longer at p50, behind the extra checkpoints.)
 _WAL_LIMIT = 1024 * 1024
 # A new file's pages: a commit writes each page it changed whole into the WAL, and an occurrence
 # changes about ten (a job row, a run row, a history record, their indexes): 1 KiB each instead of
@@ -3308,7 +3307,7 @@ class _SQLiteFile(_SQLStore):
         # Until when this process's last counted renewals on the board hold, by attempt (shared by
         # its heartbeat thread's store and its event loop's: either may renew a round)
         self._granted: dict[tuple[str, int, int], float] = {} if granted is None else granted
-        # When this process joined (lease clock): an owner not on our board may have renewed
+        # When this process joined (lease clock): an owner not on its board may have renewed
         # elsewhere until then, and its runs count as leased until then + their lease.
         self._joined_at = self._clock.monotonic()
 
@@ -3335,8 +3334,8 @@ class _SQLiteFile(_SQLStore):
         real = _real_path(self.path)
         self._check_place(real)
         # Several processes opening a new file at once race to switch it to WAL, and the loser can
-        # get a transient "disk I/O error" (seen once in CI, four load-test workers on one new
-        # file): such an opening is tried again, with a new connection, for up to _OPEN_RETRY s.
+        # get a transient "disk I/O error": such an opening is tried again, with a new connection,
+        # for up to _OPEN_RETRY s.
         deadline = time.monotonic() + _OPEN_RETRY
         while True:
             try:
@@ -3718,7 +3717,7 @@ class _SQLiteStore(_SQLiteFile):
         self._on_board = lost is not None
         if lost is not None:
             return lost
-        self._snapshot = None  # (our own commit leaves data_version alone: read the new ends next time)
+        self._snapshot = None  # (this connection's own commit leaves data_version alone: read the new ends next time)
         return super().renew_all(owner, claims)
 
     def _renew_on_board(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim] | None:
@@ -4095,8 +4094,8 @@ _PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # (PostgreSQL's schema began at 
 # A write transaction's first statement: the schema's write turn (held to its end, as SQLite's write
 # lock), taken in READ COMMITTED, so each statement after it sees every write committed before it. The
 # change numbers are then handed out in commit order, and the claims of four processes on the same due
-# jobs wait their turn: as SERIALIZABLE transactions, 32-35% of them failed and ran again (the
-# benchmark's "busy" scenario). The one-statement writes beside them (renewals, progress, a command's
+# jobs wait their turn instead of failing (as SERIALIZABLE transactions, a third of them fail and run
+# again). The one-statement writes beside them (renewals, progress, a command's
 # process group) are fenced in their own WHERE; a claim reads the run it takes over FOR UPDATE, so
 # a renewal is either seen by it or refused. (Key 0 is also the lock that creating the schema takes.)
 _PG_TURN = "SELECT pg_advisory_xact_lock({space}, 0)"
@@ -4113,8 +4112,8 @@ _PG_FINISH_ATTEMPT = (
     "id = nextval(pg_get_serial_sequence('history', 'id')) WHERE job = :job AND slot = :slot AND attempt = :attempt"
 )
 # The runs, each with why its owner is gone (owner_pid: the key of the lock its owner held when it took
-# it). The server's locks are read once for all of them: owner_gone() read them all again for each run
-# (with 1,000 runs, four processes watching used 0.76 of the server's core). (``_PGTarget.format``.)
+# it). The server's locks are read once for all of them, not once a run (with 1,000 runs, four processes
+# watching would use 0.76 of the server's core). (``_PGTarget.format``.)
 _PG_RUNS = (
     f"WITH held AS MATERIALIZED ({_PG_HELD}) "
     f"SELECT {', '.join('r.' + column.strip() for column in _SQL_RUN_COLUMNS.split(','))}, "
@@ -6559,7 +6558,7 @@ class _Runner:
         mine = self.running.get((run.job, run.slot))
         if mine is None:
             return False
-        # The snapshot may predate our own claim; only a newer attempt means a takeover.
+        # The snapshot may predate this process's own claim; only a newer attempt means a takeover.
         if run.attempt > mine.claim.attempt:
             mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
         elif run.cancel and run.attempt == mine.claim.attempt:
@@ -7307,9 +7306,9 @@ class _Loop:
         self._watch: _Changes | None = None  #: the store's changes, while serving
         self._wake: asyncio.Future[None] | None = None  #: resolved to end the current sleep
         self._poked = False  #: woken since the look began: look again at once
-        self._written = False  #: the watch saw a write we may not see committed yet
+        self._written = False  #: the watch saw a write this process may not see committed yet
         self._backing_off = False  #: a look failed: sleep the back-off out whatever the store does
-        self._dirty = True  #: read the job rows and runs at the next look (after our own writes, to stop)
+        self._dirty = True  #: read the job rows and runs at the next look (after this process's writes, to stop)
         self._rejoin = False  #: join again at the next look (the declarations changed, or the store reopened)
         self._clock_warned = False  #: the unset clock was told, until it is corrected
         self._told: asyncio.TimerHandle | None = None  #: a wake-up for changes told within the read gap
