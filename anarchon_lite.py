@@ -1633,7 +1633,7 @@ class _AsyncRenewal(abc.ABC):
 
     #: How long after a round's plan the loop renews if the thread has not. Less than a round trip:
     #: the two often renew side by side (a second UPDATE, harmless), but a starved thread costs
-    #: only this much (in chunks mode, 3 ms here gave a p50 of 7 ms and 1 ms one of 5 ms).
+    #: only this much (a renewal 5 ms late at p50, against 7 ms at 3 ms).
     delay = 0.001
 
     @abc.abstractmethod
@@ -1909,7 +1909,7 @@ class _Liveness:
         self._loop, self._on_change = loop, on_change
         self._dir_fd: int | None = None  # the directory held open: a socket's path may be 107 bytes at most
         self._listener: socket.socket | None = None
-        self._own: tuple[str, int] | None = None  # our socket's name and inode
+        self._own: tuple[str, int] | None = None  # this process's socket's name and inode
         self._watched: dict[str, _Watched] = {}
         self._forgot = time.monotonic()
 
@@ -2108,8 +2108,7 @@ _SQL_JOB_RUNS = "SELECT count(*) FROM runs WHERE job = ?"
 # Every job with what ``status`` shows: whether a running process declares it (``{undeclared}``:
 # NULL when that cannot be told) and its newest record, which the job's row keeps (``last_status``,
 # ``last_at``: written by triggers on ``history``, whoever writes the record). One read: 10,000 jobs
-# are scanned once. (Found in ``history`` instead, the newest record of each job was two look-ups
-# per job, two thirds of the time a ``status`` of 10,000 jobs took.)
+# are scanned once (two look-ups a job in ``history`` would be two thirds of a ``status``'s time).
 _SQL_JOB_STATUSES = (
     "SELECT name, schedule, paused, last_slot, next_slot, definition, declared_by, {undeclared}, last_status, "
     "last_at FROM jobs ORDER BY name"
@@ -2529,8 +2528,8 @@ class _SQLStore(_Store):
         def work(conn: Any) -> list[_Claimed]:
             return [self._claim_due(conn, owner, now_ms, item) for item in due]
 
-        # (Of four processes claiming the same due jobs, three find them moved: their telling woke
-        # the others for nothing, 3,700 times in the PostgreSQL benchmark's 45 s.)
+        # (Only claims won are told: of four processes claiming the same due jobs, three find them
+        # moved, and telling that would wake the others for nothing, 3,700 times in 45 s.)
         return self._write(work, notify=lambda claims: any(c is not _NotClaimed.MOVED for c in claims))
 
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
@@ -2841,8 +2840,8 @@ class _SQLStore(_Store):
 ###############################################################################
 
 # The WAL is written back into the file once it holds this many bytes of pages (1 MiB), and cut
-# back to this size after: it outgrows that only while a reader keeps an old snapshot. (At a quarter
-# of that, the load test's renewals waited 2-3 times longer at p50 behind the extra checkpoints.)
+# back to this size after: it outgrows that only while a reader keeps an old snapshot. (A quarter of
+# it makes renewals wait 2-3 times longer at p50, behind the extra checkpoints.)
 _WAL_LIMIT = 1024 * 1024
 # A new file's pages: a commit writes each page it changed whole into the WAL, and an occurrence
 # changes about ten (a job row, a run row, a history record, their indexes): 1 KiB each instead of
@@ -3307,7 +3306,7 @@ class _SQLiteFile(_SQLStore):
         # Until when this process's last counted renewals on the board hold, by attempt (shared by
         # its heartbeat thread's store and its event loop's: either may renew a round)
         self._granted: dict[tuple[str, int, int], float] = {} if granted is None else granted
-        # When this process joined (lease clock): an owner not on our board may have renewed
+        # When this process joined (lease clock): an owner not on its board may have renewed
         # elsewhere until then, and its runs count as leased until then + their lease.
         self._joined_at = self._clock.monotonic()
 
@@ -3334,8 +3333,8 @@ class _SQLiteFile(_SQLStore):
         real = _real_path(self.path)
         self._check_place(real)
         # Several processes opening a new file at once race to switch it to WAL, and the loser can
-        # get a transient "disk I/O error" (seen once in CI, four load-test workers on one new
-        # file): such an opening is tried again, with a new connection, for up to _OPEN_RETRY s.
+        # get a transient "disk I/O error": such an opening is tried again, with a new connection,
+        # for up to _OPEN_RETRY s.
         deadline = time.monotonic() + _OPEN_RETRY
         while True:
             try:
@@ -3717,7 +3716,7 @@ class _SQLiteStore(_SQLiteFile):
         self._on_board = lost is not None
         if lost is not None:
             return lost
-        self._snapshot = None  # (our own commit leaves data_version alone: read the new ends next time)
+        self._snapshot = None  # (this connection's own commit leaves data_version alone: read the new ends next time)
         return super().renew_all(owner, claims)
 
     def _renew_on_board(self, owner: str, claims: Sequence[_Claim]) -> list[_Claim] | None:
@@ -4094,8 +4093,8 @@ _PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # (PostgreSQL's schema began at 
 # A write transaction's first statement: the schema's write turn (held to its end, as SQLite's write
 # lock), taken in READ COMMITTED, so each statement after it sees every write committed before it. The
 # change numbers are then handed out in commit order, and the claims of four processes on the same due
-# jobs wait their turn: as SERIALIZABLE transactions, 32-35% of them failed and ran again (the
-# benchmark's "busy" scenario). The one-statement writes beside them (renewals, progress, a command's
+# jobs wait their turn instead of failing (as SERIALIZABLE transactions, a third of them fail and run
+# again). The one-statement writes beside them (renewals, progress, a command's
 # process group) are fenced in their own WHERE; a claim reads the run it takes over FOR UPDATE, so
 # a renewal is either seen by it or refused. (Key 0 is also the lock that creating the schema takes.)
 _PG_TURN = "SELECT pg_advisory_xact_lock({space}, 0)"
@@ -4112,8 +4111,8 @@ _PG_FINISH_ATTEMPT = (
     "id = nextval(pg_get_serial_sequence('history', 'id')) WHERE job = :job AND slot = :slot AND attempt = :attempt"
 )
 # The runs, each with why its owner is gone (owner_pid: the key of the lock its owner held when it took
-# it). The server's locks are read once for all of them: owner_gone() read them all again for each run
-# (with 1,000 runs, four processes watching used 0.76 of the server's core). (``_PGTarget.format``.)
+# it). The server's locks are read once for all of them, not once a run (with 1,000 runs, four processes
+# watching would use 0.76 of the server's core). (``_PGTarget.format``.)
 _PG_RUNS = (
     f"WITH held AS MATERIALIZED ({_PG_HELD}) "
     f"SELECT {', '.join('r.' + column.strip() for column in _SQL_RUN_COLUMNS.split(','))}, "
@@ -6546,7 +6545,7 @@ class _Runner:
         mine = self.running.get((run.job, run.slot))
         if mine is None:
             return False
-        # The snapshot may predate our own claim; only a newer attempt means a takeover.
+        # The snapshot may predate this process's own claim; only a newer attempt means a takeover.
         if run.attempt > mine.claim.attempt:
             mine.token.abort(LeaseLost(f"{run.job}: the run was taken over by another attempt"))
         elif run.cancel and run.attempt == mine.claim.attempt:
@@ -7203,6 +7202,61 @@ def _skipped(job: _Job) -> str:
     return f"skipped: {overlap} runs of the job are unfinished (overlap {overlap})"
 
 
+def _tell_missed(events: _Events, job: _Job, item: _Due) -> None:
+    """Tell that occurrences of ``job`` up to ``item`` were found late and not run."""
+    count = item.missed_count
+    what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
+    events.tell(logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count)
+
+
+def _tell_taken_over(events: _Events, run: _RunRow, claim: _Claim, reason: str) -> None:
+    """Tell that ``run``, whose owner is gone (``reason``), was taken over as ``claim``."""
+    what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
+    events.tell(
+        logging.WARNING, "taken_over", run.job, claim.slot, claim.attempt, what, status="taken_over", error=reason
+    )
+
+
+def _from_own_place(ready: list[T], instance: str) -> list[T]:
+    """``ready`` begun at a place of ``instance``'s own, so that processes finding thousands due at
+    once share them instead of all claiming the same first ones."""
+    turn = zlib.crc32(instance.encode()) % len(ready)
+    return ready[turn:] + ready[:turn]
+
+
+def _greeting(where: str, instance: str, count: int, first: tuple[int, str] | None, now: float) -> str:
+    """The start-up line: where this process joined, as whom, how many jobs it declares, and the
+    first occurrence due (``first``: its time in ms and its job), with how long until it."""
+    text = f"joined {where} as {instance}: {count} job{'' if count == 1 else 's'} declared"
+    if first is not None:
+        due, name = first
+        at = _utc_from_ms(due).astimezone(_local_zone()).strftime("%Y-%m-%d %H:%M:%S %Z")
+        text += f", next {name!r} at {at} (in {format_duration(max(0, math.ceil(due / 1000 - now)))})"
+    return text
+
+
+def _service_status(jobs: int, running: int, failing: str | None) -> str:
+    """What a serving process is doing, in a line (systemd's ``STATUS=``)."""
+    text = f"{jobs} jobs, {running} running"
+    return text if failing is None else f"{text}; failing: {failing}"
+
+
+def _stopping_status(running: int, drain: float) -> tuple[str, ...]:
+    """What systemd is told as a process stops: the status line, ``STOPPING=1`` and, with runs to
+    hand over, the ``drain`` seconds that may take."""
+    fields = ["STOPPING=1"]
+    if running:
+        fields.append(f"EXTEND_TIMEOUT_USEC={int(drain * 1e6)}")
+    return (f"stopping: handing over {running} running", *fields)
+
+
+#: The warning of a clock that reads earlier than the newest occurrence recorded (the clock, the
+#: database, that occurrence).
+_CLOCK_UNSET = (
+    "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing until it is corrected"
+)
+
+
 class _Loop:
     """What a running scheduler does: ``serve()`` joins the store's processes, looks at the store
     again and again (``_tick``), sleeps between looks until something is due or a change is told,
@@ -7239,9 +7293,9 @@ class _Loop:
         self._watch: _Changes | None = None  #: the store's changes, while serving
         self._wake: asyncio.Future[None] | None = None  #: resolved to end the current sleep
         self._poked = False  #: woken since the look began: look again at once
-        self._written = False  #: the watch saw a write we may not see committed yet
+        self._written = False  #: the watch saw a write this process may not see committed yet
         self._backing_off = False  #: a look failed: sleep the back-off out whatever the store does
-        self._dirty = True  #: read the job rows and runs at the next look (after our own writes, to stop)
+        self._dirty = True  #: read the job rows and runs at the next look (after this process's writes, to stop)
         self._rejoin = False  #: join again at the next look (the declarations changed, or the store reopened)
         self._clock_warned = False  #: the unset clock was told, until it is corrected
         self._told: asyncio.TimerHandle | None = None  #: a wake-up for changes told within the read gap
@@ -7406,30 +7460,18 @@ class _Loop:
     def _greet(self) -> None:
         """Say, once the first look is done, that this process has joined, and what comes next
         (a process that would otherwise stay silent until its first run looks hung)."""
-        agenda, now = self._agenda, self._clock.time()
-        first = None if agenda is None else agenda.first()
-        count = len(self._declared.jobs)
-        text = f"joined {self._where} as {self.instance}: {count} job{'' if count == 1 else 's'} declared"
-        if first is not None:
-            due, name = first
-            at = _utc_from_ms(due).astimezone(_local_zone()).strftime("%Y-%m-%d %H:%M:%S %Z")
-            text += f", next {name!r} at {at} (in {format_duration(max(0, math.ceil(due / 1000 - now)))})"
-        _log.info("%s", text)
+        first = None if self._agenda is None else self._agenda.first()
+        _log.info("%s", _greeting(self._where, self.instance, len(self._declared.jobs), first, self._clock.time()))
 
     def _doing(self) -> str:
         """What this process is doing, in a line (systemd's ``STATUS=``)."""
-        text = f"{len(self._declared.jobs)} jobs, {len(self.runner.running)} running"
-        return text if self._failing is None else f"{text}; failing: {self._failing}"
+        return _service_status(len(self._declared.jobs), len(self.runner.running), self._failing)
 
     def _stopping_told(self) -> None:
         """Tell systemd that this process stops, and how long handing its runs over may take."""
-        if self.notify is None:
-            return
-        running = self.runner.running
-        fields = ["STOPPING=1"]
-        if running:
-            fields.append(f"EXTEND_TIMEOUT_USEC={int(self.runner.longest_drain() * 1e6)}")
-        self.notify.status(f"stopping: handing over {len(running)} running", *fields)
+        if self.notify is not None:
+            running = len(self.runner.running)
+            self.notify.status(*_stopping_status(running, self.runner.longest_drain() if running else 0.0))
 
     async def _join(self) -> bool:
         """Record this process among the store's running instances, with what it declares (in the
@@ -7535,13 +7577,8 @@ class _Loop:
             self._clock_warned = False
             return False
         if not self._clock_warned:
-            _log.warning(
-                "the clock reads %s, earlier than the newest occurrence recorded in %s (%s): running nothing "
-                "until it is corrected",
-                _utc_from_ms(now_ms).isoformat(),
-                self._where,
-                _utc_from_ms(self._newest).isoformat(),
-            )
+            now, newest = _utc_from_ms(now_ms).isoformat(), _utc_from_ms(self._newest).isoformat()
+            _log.warning(_CLOCK_UNSET, now, self._where, newest)
             self._clock_warned = True
         return True
 
@@ -7597,8 +7634,7 @@ class _Loop:
         process begins at a place of its own in the list, so that processes finding thousands
         due at once share them. Returns the watermarks that had moved, by job."""
         if len(ready) > _CLAIM_BATCH:
-            turn = zlib.crc32(self.instance.encode()) % len(ready)
-            ready = ready[turn:] + ready[:turn]
+            ready = _from_own_place(ready, self.instance)
         moved = {}
         for start in range(0, len(ready), _CLAIM_BATCH):
             if start:
@@ -7619,11 +7655,7 @@ class _Loop:
                 moved[job.name] = row.last_slot
                 continue
             if item.missed:
-                count = item.missed_count
-                what = f"missed ({count} occurrence{'s' if count > 1 else ''} up to this one, found late and not run)"
-                self._events.tell(
-                    logging.WARNING, "missed", job.name, item.missed[-1][0], 0, what, status="missed", count=count
-                )
+                _tell_missed(self._events, job, item)
             if isinstance(claim, _Claim):
                 self.runner.start(job, claim)
             elif item.run:
@@ -7679,17 +7711,7 @@ class _Loop:
             return 0.0
         if claim is not None:
             if run.state == "running":
-                what = f"taken over from {run.owner} as attempt {claim.attempt}: {reason}"
-                self._events.tell(
-                    logging.WARNING,
-                    "taken_over",
-                    run.job,
-                    claim.slot,
-                    claim.attempt,
-                    what,
-                    status="taken_over",
-                    error=reason,
-                )
+                _tell_taken_over(self._events, run, claim, reason)
             self.runner.start(job, claim)
         return 0.0
 
