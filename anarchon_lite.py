@@ -102,10 +102,13 @@ if TYPE_CHECKING:  # imported when needed: dateutil for rrule schedules, argpars
 
     from dateutil import rrule as _rrule
     from dateutil.relativedelta import relativedelta
-    from typing_extensions import Unpack  # (typing has it from Python 3.11)
-elif sys.version_info >= (3, 11):
-    from typing import Unpack
-else:  # (what ``typing.get_type_hints`` reads of ``**options: Unpack[JobOptions]`` on Python 3.9 and 3.10)
+
+# ``**options: Unpack[JobOptions]`` lets a type checker check each option's name and type; typing
+# has ``Unpack`` from Python 3.11 (nothing is imported for it before: a checker reading the file for
+# Python 3.10 takes the options as they come, and ``typing.get_type_hints`` reads this stand-in).
+if TYPE_CHECKING or sys.version_info >= (3, 11):
+    from typing import Unpack  # type: ignore[attr-defined, unused-ignore]
+else:
 
     class Unpack:
         def __class_getitem__(cls, item: object) -> object:
