@@ -1021,31 +1021,28 @@ class _RRule(_Calendar):
 
     @staticmethod
     def _parse(rrule: Any, text: str, job: str) -> _rrule.rrule:
+        def refused(why: str) -> ConfigError:
+            return ConfigError(f"rrule {text!r}{why}", job=job, option="rrule")
+
         upper = text.upper()
         if "FREQ=" not in upper:
-            raise ConfigError(f"rrule {text!r} has no FREQ", job=job, option="rrule")
+            raise refused(" has no FREQ")
         if "DTSTART" not in upper and re.search(r"\bCOUNT=", upper):
-            raise ConfigError(
-                f"rrule {text!r} has a COUNT and no DTSTART: it would count from 2000-01-01, long done; "
-                "give a DTSTART line, or an UNTIL",
-                job=job,
-                option="rrule",
+            raise refused(
+                " has a COUNT and no DTSTART: it would count from 2000-01-01, long done; "
+                "give a DTSTART line, or an UNTIL"
             )
         try:
             parsed = rrule.rrulestr(text.strip(), dtstart=_RRULE_EPOCH)
         except (ValueError, TypeError) as exc:
             if "DTSTART" not in upper and re.search(r"\bUNTIL=[0-9T]+Z", upper):
-                raise ConfigError(
-                    f"rrule {text!r}: an UNTIL in UTC (ending in Z) needs a DTSTART with a zone; "
-                    "write UNTIL without the Z (in the job's zone) or give a DTSTART",
-                    job=job,
-                    option="rrule",
+                raise refused(
+                    ": an UNTIL in UTC (ending in Z) needs a DTSTART with a zone; "
+                    "write UNTIL without the Z (in the job's zone) or give a DTSTART"
                 ) from None
             raise ConfigError(f"cannot read rrule {text!r}: {exc}", job=job, option="rrule") from None
         if not isinstance(parsed, rrule.rrule):
-            raise ConfigError(
-                f"rrule {text!r}: only one RRULE (with an optional DTSTART) is supported", job=job, option="rrule"
-            )
+            raise refused(": only one RRULE (with an optional DTSTART) is supported")
         return cast("_rrule.rrule", parsed)
 
     def _rule_near(self, naive: _dt.datetime) -> _rrule.rrule:
@@ -1125,8 +1122,7 @@ def _schedule_from(description: str, job: str) -> _Schedule:
     if base == _OnStart.description:
         return _OnStart()
     if kind == "at":
-        with contextlib.suppress(ValueError):
-            return _At(_ms_from_dt(_dt.datetime.fromisoformat(rest.replace("Z", "+00:00"))))
+        return _At(_at_time(rest, _UTC, job))
     raise ConfigError(f"cannot read the stored schedule {description!r}", job=job)
 
 
@@ -10030,17 +10026,15 @@ def _table(rows: list[list[str]], below: dict[int, list[str]] | None = None, col
     """Print rows in columns as wide as their widest cell, in terminal columns (the last one as it
     is), and after row ``n`` the lines ``below[n]``. Within ``columns``: the first and the last
     column are cut (ending in "…") so that every line fits, the last one first, to 12."""
+    widths = [max(_width(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     if columns is not None:
-        widths = [max(_width(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         spare = columns - sum(widths) - 2 * len(widths) - 12
         if spare < 0:  # (even the last column cut to 12 does not fit: the first gives way, to 8)
-            first = max(8, widths[0] + spare)
-            rows = [[_cut(row[0], first), *row[1:]] for row in rows]
-        widths = [max(_width(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+            rows = [[_cut(row[0], max(8, widths[0] + spare)), *row[1:]] for row in rows]
+            widths[0] = max(_width(row[0]) for row in rows)
         room = max(1, columns - sum(widths) - 2 * len(widths))
         rows = [[*row[:-1], _cut(row[-1], room)] for row in rows]
         below = {n: [_cut(line, columns) for line in lines] for n, lines in (below or {}).items()}
-    widths = [max(_width(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for number, row in enumerate(rows):
         cells = [cell + " " * (width - _width(cell)) for cell, width in zip(row, widths)]
@@ -10133,14 +10127,16 @@ def _width(text: str) -> int:
 
 def _cut(text: str, width: int) -> str:
     """``text`` in at most ``width`` terminal columns, ending in "…" when it was cut."""
+    if text.isascii():  # (one column a character: most names and every schedule)
+        return text if len(text) <= width else text[: width - 1] + "…"
     if _width(text) <= width:
         return text
-    kept = ""
-    for character in text:
-        if _width(kept + character) > width - 1:
-            break
-        kept += character
-    return kept + "…"
+    used = 0
+    for end, character in enumerate(text):
+        used += _width(character)
+        if used > width - 1:
+            return text[:end] + "…"
+    return text
 
 
 def _status_json(job: JobStatus) -> dict[str, Any]:
