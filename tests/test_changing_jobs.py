@@ -123,7 +123,9 @@ def test_jobs_declared_removed_and_rescheduled_while_running(db, clock):
 
 
 def test_jobs_declared_from_another_thread_while_it_runs_in_a_thread(db):
-    """``start_in_thread``, then ``every`` from the application's thread: the job runs."""
+    """``start_in_thread``, then ``every`` from the application's thread: the job runs, and
+    another process's view of the store has it declared (it ran while ``status`` called it
+    ``undeclared``, nothing having told the running process to record it)."""
     s = make(db)
     ran = threading.Event()
     s.every("first", "24h", lambda ctx: None, offset=QUIET)
@@ -131,6 +133,7 @@ def test_jobs_declared_from_another_thread_while_it_runs_in_a_thread(db):
     try:
         s.every("later", "200ms", lambda ctx: ran.set())
         assert ran.wait(10), "the job declared from another thread did not run"
+        run(wait_for(lambda: _declared_in_store(Scheduler(db), "later"), message="later declared in the store"))
     finally:
         s.stop_thread(grace=5)
 
