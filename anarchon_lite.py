@@ -8211,7 +8211,7 @@ class Scheduler(_Declaring):
         if then is not None:
             then()
 
-    async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - no typing_extensions at run time
+    async def __aenter__(self) -> Scheduler:  # noqa: PYI034 - typing has Self only from Python 3.11
         """Start the scheduler in the background; returns once it has looked at the file once.
 
         On the main thread, SIGTERM and SIGINT (unless the application handles them itself) stop
@@ -8379,7 +8379,7 @@ class Control:
         """Close the database (``Scheduler.close``); ``with Control(path) as control:`` does it."""
         self.scheduler.close()
 
-    def __enter__(self) -> Control:  # noqa: PYI034 - no typing_extensions at run time
+    def __enter__(self) -> Control:  # noqa: PYI034 - typing has Self only from Python 3.11
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -8537,7 +8537,7 @@ class _PageServer:
         finally:
             await self.close()
 
-    async def __aenter__(self: _Served) -> _Served:  # noqa: PYI019 - no typing_extensions at run time
+    async def __aenter__(self: _Served) -> _Served:  # noqa: PYI019 - typing has Self only from Python 3.11
         await self.start()
         return self
 
