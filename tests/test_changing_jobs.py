@@ -112,7 +112,8 @@ def test_jobs_declared_removed_and_rescheduled_while_running(db, clock):
             minute = (int(clock.time()) // 60 + 1) * 60
             clock.advance(minute - clock.time() + 0.5)
             await wait_for(lambda: ("first", minute * 1000) in seen, message="the new schedule's next minute")
-            assert [status for _, _, status in await statuses(s, "first")] == ["succeeded"]
+            await wait_for(lambda: has(s, "first", "succeeded"), message="its end recorded")  # (after the handler)
+            assert await statuses(s, "first") == [(minute * 1000, 1, "succeeded")]  # (nothing recorded missed)
             s.remove("added")
             await wait_for(lambda: _undeclared_in_store(s, "added"), message="added no longer declared")
             with pytest.raises(ConfigError, match="no running process declares it"):
