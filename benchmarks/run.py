@@ -468,7 +468,7 @@ def main() -> int:
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument(
-        "--only", choices=("takeover", "scale", "disk", "lean", "pgcost", "web"), help="measure only this section"
+        "--only", choices=("takeover", "scale", "disk", "lean", "pgcost", "web", "sweep"), help="measure only this section"
     )
     args = parser.parse_args()
     if args.store == "postgresql":
@@ -853,6 +853,9 @@ def measure(args: argparse.Namespace) -> int:
         elif args.only == "web":
             results["web"] = web(quick)
             report_web(results["web"])
+        elif args.only == "sweep":
+            results["sweep"] = sweep(quick)
+            report_sweep(results["sweep"])
         else:
             results["scale"] = scale(quick, peers=not args.no_peers)
             report_scale(results["scale"])
@@ -1215,6 +1218,98 @@ def report_pgcost(section: dict[str, Any]) -> None:
     print("\nthe idle watcher's statements")
     for s in w["watcher_by_statement"]:
         print(f"{s['calls']:>8} calls {s['total_ms']:>8.1f} ms  {s['query'][:100]}")
+
+
+# -- CPU per occurrence against the number of processes (--only sweep) ----------------------------
+
+
+def _threads_switches(pid: int) -> int:
+    """Voluntary context switches (wake-ups after a wait) of every thread of a process."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as handle:
+                total += sum(int(line.split()[1]) for line in handle if line.startswith("voluntary_ctxt_switches"))
+        except FileNotFoundError:
+            pass  # (a thread that ended meanwhile)
+    return total
+
+
+def commit_floor(commits: int = 2_000) -> float:
+    """CPU seconds of one bare WAL commit (``synchronous=NORMAL``, one small UPDATE) on this disk."""
+    with tempfile.TemporaryDirectory() as folder:
+        conn = sqlite3.connect(os.path.join(folder, "floor.db"), isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("CREATE TABLE t (k INTEGER PRIMARY KEY, v INTEGER)")
+        conn.execute("INSERT INTO t VALUES (1, 0)")
+        begin = time.process_time()
+        for i in range(commits):
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("UPDATE t SET v = ? WHERE k = 1", (i,))
+            conn.execute("COMMIT")
+        cpu = time.process_time() - begin
+        conn.close()
+    return cpu / commits
+
+
+def sweep_one(processes: int, jobs: int, seconds: float) -> dict[str, Any]:
+    """``jobs`` jobs every second, spread over it, handlers that return at once, on ``processes``
+    processes sharing one store: CPU, wake-ups and starts per occurrence."""
+    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
+        fleet.start(processes)
+        time.sleep(5.0)  # (every process declared and looking)
+        cpu0, wakes0, begin = _cpu(fleet.procs), sum(_threads_switches(p.pid) for p in fleet.procs), time.time()
+        time.sleep(seconds)
+        cpu, end = _cpu(fleet.procs) - cpu0, time.time()
+        wakes = sum(_threads_switches(p.pid) for p in fleet.procs) - wakes0
+        fleet.stop()
+        starts = [s for e in fleet.events() if e["event"] == "starts" for s in e["starts"]]
+        per_process = sorted(len(e["starts"]) for e in fleet.events() if e["event"] == "starts")
+    inside = [s for s in starts if begin <= s[2] < end]
+    late = [s[3] * 1000 for s in inside]
+    seen = [(job, slot) for job, slot, _, _ in starts]
+    occurrences = max(len(inside), 1)
+    return {
+        "processes": processes,
+        "occurrences": len(inside),
+        "expected": round(jobs * (end - begin)),
+        "duplicates": len(seen) - len(set(seen)),
+        "starts_per_process": per_process,
+        "cpu_per_occurrence_ms": cpu / occurrences * 1000,
+        "wakeups_per_occurrence": wakes / occurrences,
+        "lateness_p50_ms": percentile(late, 50),
+        "lateness_p99_ms": percentile(late, 99),
+    }
+
+
+def sweep(quick: bool) -> dict[str, Any]:
+    """Issue #26: CPU per occurrence of 20 jobs a second as 1, 2, 4, 8 and 16 processes share the
+    store, beside the CPU of two bare WAL commits measured in the same run."""
+    counts = (1, 4, 16) if quick else (1, 2, 4, 8, 16)
+    seconds = 15.0 if quick else 30.0
+    floor = commit_floor()
+    section: dict[str, Any] = {"two_commits_ms": 2 * floor * 1000, "jobs": 20, "seconds": seconds, "runs": []}
+    for count in counts:
+        section["runs"].append(sweep_one(count, 20, seconds))
+        print(f"sweep {count}: done", flush=True)
+    return section
+
+
+def report_sweep(section: dict[str, Any]) -> None:
+    runs = section["runs"]
+    one = runs[0]["cpu_per_occurrence_ms"]
+    print(f"\nCPU per occurrence, {section['jobs']} jobs every second ({section['seconds']:.0f} s each)")
+    print(f"two bare WAL commits: {section['two_commits_ms'] * 1000:.0f} µs of CPU")
+    print("processes  occurrences  duplicates  CPU ms/occ  ×1 process  ÷two commits  wake-ups/occ  late p50/p99 ms")
+    for r in runs:
+        ratio = r["cpu_per_occurrence_ms"] / one
+        print(
+            f"{r['processes']:>9}  {r['occurrences']:>5} of {r['expected']:<4}  {r['duplicates']:>10}"
+            f"  {r['cpu_per_occurrence_ms']:>10.2f}  {ratio:>10.2f}"
+            f"  {r['cpu_per_occurrence_ms'] / section['two_commits_ms']:>12.0f}  {r['wakeups_per_occurrence']:>12.1f}"
+            f"  {r['lateness_p50_ms']:>6.1f} / {r['lateness_p99_ms']:.1f}"
+        )
 
 
 def report(results: dict[str, Any]) -> None:
