@@ -1496,6 +1496,11 @@ class _Store(abc.ABC):
         """The processes running on the store, those known to be gone left out."""
 
     @abc.abstractmethod
+    def peers(self) -> dict[str, frozenset[str]]:
+        """The processes running on the store (those known to be gone left out), each with the jobs
+        it declares (none for a process of an older version, which does not say)."""
+
+    @abc.abstractmethod
     def undeclared(self, job: str | None = None) -> list[str] | None:
         """The jobs (of every job, or only ``job``) that no running process declares; None when
         that cannot be told: no process runs, or one of an older version does (it records no
@@ -1605,6 +1610,12 @@ class _Changes(abc.ABC):
             return 0.005
         return previous * 5 if 0 < previous < 0.5 else 0.0
 
+    def hold(self) -> None:
+        """Changes told from now on may wait for ``release`` (the loop reads no sooner anyway)."""
+
+    def release(self) -> None:
+        """Tell changes again (those held back among them)."""
+
     def settles_in(self, run: _RunRow) -> float:
         """Seconds until ``owner_gone`` may call ``run``'s owner gone where it does not yet (a free
         lock waiting out the owner's chance to notice it); infinity when nothing is waited for."""
@@ -1675,10 +1686,17 @@ class _Backend(abc.ABC):
         on the loop; None if there can be none."""
 
     @abc.abstractmethod
-    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
+    def changes(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_change: Callable[[], None],
+        instance: str,
+        on_gone: Callable[[], None] | None = None,
+    ) -> _Changes:
         """The loop's view of changes, for the scheduler ``instance`` of this process (open from
         before it joins until it has left); when ``polled``, ``on_change`` is never called for
-        other processes' writes."""
+        other processes' writes. A store that learns of an owner's end apart from its writes calls
+        ``on_gone`` then (``on_change`` if not given): the loop looks at once, not coalesced."""
 
 
 ###############################################################################
@@ -2092,6 +2110,7 @@ _SQL_UNDECLARED = (  # (``{live}``: the placeholders of the running processes' i
     "(SELECT 1 FROM declarations d WHERE d.job = jobs.name AND d.instance IN ({live})) ORDER BY name"
 )
 _SQL_DECLARERS = "SELECT instance FROM declarations WHERE job = ? ORDER BY instance"
+_SQL_DECLARATIONS = "SELECT instance, job FROM declarations"
 _SQL_FORGET = tuple(
     f"DELETE FROM {table} WHERE {column} = ?"
     for table, column in (
@@ -2745,6 +2764,13 @@ class _SQLStore(_Store):
 
     def processes(self) -> list[ProcessInfo]:
         return self._live_processes(self._read)
+
+    def peers(self) -> dict[str, frozenset[str]]:
+        declared: dict[str, set[str]] = {p.instance: set() for p in self._live_processes(self._read)}
+        for instance, job in self._read(_SQL_DECLARATIONS, ()):
+            if instance in declared:
+                declared[instance].add(job)
+        return {instance: frozenset(jobs) for instance, jobs in declared.items()}
 
     def undeclared(self, job: str | None = None) -> list[str] | None:
         live = self._live_processes(self._read)
@@ -3891,6 +3917,13 @@ class _FileWatch:
         if changed:
             self._on_change()
 
+    def hold(self) -> None:
+        """Stop waking the loop; what happens meanwhile is told at ``release``."""
+        self._loop.remove_reader(self._fd)
+
+    def release(self) -> None:
+        self._loop.add_reader(self._fd, self._read)
+
     def close(self) -> None:
         self._loop.remove_reader(self._fd)
         os.close(self._fd)
@@ -3912,6 +3945,7 @@ class _SQLiteChanges(_Changes):
         poll: bool,
         instance: str,
         shared_group: bool = False,
+        on_gone: Callable[[], None] | None = None,
     ):
         self._store: _SQLiteStore = _SQLiteStore(path, busy_timeout=0.05, clock=clock, shared_group=shared_group)
         try:  # (first: nothing is made beside a file that is refused)
@@ -3921,12 +3955,25 @@ class _SQLiteChanges(_Changes):
         except StoreError:
             pass  # (the scheduler's own connection says why, and tries again)
         self._files = None if poll else _FileWatch.start(path, loop, on_change)
-        self._live = _Liveness(path, loop, on_change, shared_group)
+        self._live = _Liveness(path, loop, on_gone or on_change, shared_group)
         self._live.listen(_this_owner(instance))
+
+    #: Every commit of every process appends to the -wal and wakes every watcher: a busy store's
+    #: changes are read at most this often by each process (its own writes and an owner's end at
+    #: once); a process claims what comes due on its own timers, not on these reads.
+    coalesce = 0.5
 
     @property
     def pushed(self) -> bool:
         return self._files is not None
+
+    def hold(self) -> None:
+        if self._files is not None:
+            self._files.hold()
+
+    def release(self) -> None:
+        if self._files is not None:
+            self._files.release()
 
     def version(self) -> int:
         try:
@@ -4010,8 +4057,16 @@ class _SQLite(_Backend):
             shared_group=self.shared_group,
         )
 
-    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
-        return _SQLiteChanges(self.path, self._clock, loop, on_change, self.polled, instance, self.shared_group)
+    def changes(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_change: Callable[[], None],
+        instance: str,
+        on_gone: Callable[[], None] | None = None,
+    ) -> _Changes:
+        return _SQLiteChanges(
+            self.path, self._clock, loop, on_change, self.polled, instance, self.shared_group, on_gone or on_change
+        )
 
 
 ###############################################################################
@@ -5020,7 +5075,13 @@ class _Postgres(_Backend):
     def loop_renewal(self) -> _AsyncRenewal:
         return _PGLoopRenewal(self._target, asyncio.get_running_loop())
 
-    def changes(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None], instance: str) -> _Changes:
+    def changes(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_change: Callable[[], None],
+        instance: str,
+        on_gone: Callable[[], None] | None = None,
+    ) -> _Changes:
         return _PGChanges(self._target, self._identity, loop, on_change)
 
 
@@ -6824,13 +6885,18 @@ class _Plan:
     missed_count: int
 
 
+def _at_start(job: str, start: int) -> int:
+    return start
+
+
 class _Agenda:
     """The job rows as this process last read them, and the declared, unpaused jobs among them in
     the order they come due: a look finds what is due in time that grows with what is due, and a
     read that brings a few changed rows moves only those, not with what is declared."""
 
-    def __init__(self, jobs: dict[str, _Job], rows: Iterable[_JobRow]):
+    def __init__(self, jobs: dict[str, _Job], rows: Iterable[_JobRow], look: Callable[[str, int], int] = _at_start):
         self.jobs = jobs  #: the declarations it was made for (the scheduler's)
+        self._look = look  #: when this process looks at an occurrence of a job, given its start (ms)
         self.count = len(jobs)
         self.rows: dict[str, _JobRow] = {row.name: row for row in rows}  #: every row, by job name
         self.seen = max((row.changed for row in self.rows.values()), default=0)  #: the newest change number read
@@ -6844,7 +6910,7 @@ class _Agenda:
         if job is None or row.paused:
             return None
         due = job.next_due(row.last_slot, row.next_slot if row.definition == job.definition else None)
-        return None if due is None else ((job.schedule.start_of(due), row.name), (job, row))
+        return None if due is None else ((self._look(row.name, job.schedule.start_of(due)), row.name), (job, row))
 
     def current(self, jobs: dict[str, _Job]) -> bool:
         """Whether it was made for these declarations."""
@@ -7190,6 +7256,11 @@ _FULL_READ = 600.0  # seconds between reads of every job row (between them, only
 # After a look that fired occurrences, the next look waits this long (seconds), whatever wakes it: at
 # thousands of occurrences a minute, each look fires several together instead of one at a time.
 _LOOK_GAP = 0.02
+# Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
+# as they come due; the others look this long after (seconds), and claim only what is still unclaimed
+# then (the first is frozen, stopping or gone), so that one claim is tried where every process tried.
+_SECOND_LOOK = 0.5
+_PEERS_EVERY = 2.0  # seconds at least between two reads of which processes run and what they declare
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
 
 
@@ -7216,11 +7287,26 @@ def _tell_taken_over(events: _Events, run: _RunRow, claim: _Claim, reason: str) 
     )
 
 
+def _first_of(job: str, declarers: Iterable[str]) -> str | None:
+    """The process that claims ``job``'s occurrences first, of those that declare it: the same
+    answer in every process that knows them, spread over them, and changed only for the jobs of a
+    process that joins or leaves (the highest hash of process and job)."""
+    return max(declarers, key=lambda instance: zlib.crc32(f"{instance}\0{job}".encode()), default=None)
+
+
 def _from_own_place(ready: list[T], instance: str) -> list[T]:
     """``ready`` begun at a place of ``instance``'s own, so that processes finding thousands due at
     once share them instead of all claiming the same first ones."""
     turn = zlib.crc32(instance.encode()) % len(ready)
     return ready[turn:] + ready[:turn]
+
+
+def _met(store: _Store, known: tuple[tuple[str, _dt.datetime, int | None], ...]) -> tuple[Any, Any] | None:
+    """The processes running on ``store`` and what each declares, read only when who they are
+    differs from ``known`` (a process joined, left, or joined again with other declarations);
+    returns who they are and that, or None."""
+    key = tuple((p.instance, p.started_at, p.jobs) for p in store.processes())
+    return None if key == known else (key, store.peers())
 
 
 def _greeting(where: str, instance: str, count: int, first: tuple[int, str] | None, now: float) -> str:
@@ -7319,6 +7405,10 @@ class _Loop:
         self._read_real = 0.0  #: the same read on the real monotonic clock (what coalescing reads costs)
         self._failing: str | None = None  #: the error of the last look, while looks fail
         self._logged = 0.0  #: when it was last logged (monotonic)
+        self._peers: dict[str, frozenset[str]] = {}  #: the running processes and what they declare, as last read
+        self._peers_key: tuple[tuple[str, _dt.datetime, int | None], ...] = ()  #: who they were, to tell a change
+        self._peers_at = -math.inf  #: when they were last read (monotonic)
+        self._first: dict[str, bool] = {}  #: whether this process is each job's first, among these peers
 
     # -- waking ------------------------------------------------------------------------------------
 
@@ -7353,11 +7443,14 @@ class _Loop:
         later = 0.0 if watch is None else self._read_real + watch.coalesce - time.monotonic()
         if later <= 0:
             self._wake_up()
-        elif self._told is None:
+        elif self._told is None and watch is not None:
+            watch.hold()
             self._told = asyncio.get_running_loop().call_later(later, self._told_now)
 
     def _told_now(self) -> None:
         self._told = None
+        if self._watch is not None:
+            self._watch.release()
         self._wake_up()
 
     async def _sleep(self, seconds: float) -> None:
@@ -7381,7 +7474,7 @@ class _Loop:
         self._fresh()
         # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
         # connection that holds this process's lock), and no change after the join goes unseen.
-        self._watch = watch = self._link.backend.changes(loop, self._store_written, self.instance)
+        self._watch = watch = self._link.backend.changes(loop, self._store_written, self.instance, self.poke)
         watch.vouch_for(lambda: bool(runner.running), runner.lose)
         runner.started = watch.attempt_started
         self._idle = _CLOCK_CHECK if watch.pushed else self._poll
@@ -7554,8 +7647,15 @@ class _Loop:
         agenda = self._agenda
         assert agenda is not None, "made by the first read"
         if not agenda.current(jobs):
-            self._agenda = agenda = _Agenda(jobs, agenda.rows.values())
+            self._agenda = agenda = _Agenda(jobs, agenda.rows.values(), self._look)
         ready, wait = agenda.ready(now_ms, min(self._idle, self._recheck or self._idle))
+        if ready and deferred and not all(self._is_first(job.name) for job, _ in ready):
+            # A second look acts on what the jobs' first processes left unclaimed: as the store has it.
+            await self._read()
+            self._version, deferred = version, 0.0
+            agenda = self._agenda
+            assert agenda is not None, "read"
+            ready, wait = agenda.ready(now_ms, min(self._idle, self._recheck or self._idle))
         if ready:
             self._busy_until = self._clock.monotonic() + _LOOK_GAP
             self._moved = await self._fire(ready, now_ms)
@@ -7587,14 +7687,24 @@ class _Loop:
         agenda = self._agenda
         whole = agenda is None or self._clock.monotonic() >= self._whole_at + _FULL_READ
         since = -1 if agenda is None or whole else agenda.seen
-        jobs, runs, newest = await self._link.call(lambda s: (s.jobs(since), s.runs(), s.newest_slot()))
+        peers = self._clock.monotonic() >= self._peers_at + _PEERS_EVERY
+        known = self._peers_key
+        jobs, runs, newest, met = await self._link.call(
+            lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None)
+        )
         self._runs, self._read_at, self._read_real = runs, self._clock.monotonic(), time.monotonic()
+        if peers:
+            self._peers_at = self._read_at
+        if met is not None:  # (the processes changed: when each job is looked at, too)
+            self._peers_key, self._peers, self._first = *met, {}
         self.runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
         self._newest = newest or 0
         self._declared.disagree(jobs, "holds that one's")
         if agenda is None or whole:
-            self._agenda, self._whole_at = _Agenda(self._declared.jobs, jobs), self._read_at
+            self._agenda, self._whole_at = _Agenda(self._declared.jobs, jobs, self._look), self._read_at
             return
+        if met is not None:
+            self._agenda = agenda = _Agenda(self._declared.jobs, agenda.rows.values(), self._look)
         agenda.update(jobs)
         # A claim refused because the watermark moved, while the row read still has the old one: a
         # writer of an older version moved it. Read those rows by name, or the look would try again.
@@ -7605,6 +7715,24 @@ class _Loop:
         if behind:
             again = await self._link.call(lambda s: [s.job(name) for name in behind])
             agenda.update(row for row in again if row is not None)
+
+    def _is_first(self, job: str) -> bool:
+        """Whether this process is ``job``'s first (``_first_of``), or knows of no other."""
+        first = self._first.get(job)
+        if first is None:
+            declarers = [instance for instance, jobs in self._peers.items() if job in jobs]
+            chosen = _first_of(job, declarers if self.instance in declarers else [*declarers, self.instance])
+            first = self._first[job] = chosen == self.instance
+        return first
+
+    def _look(self, job: str, start: int) -> int:
+        """When (ms) this process looks at an occurrence of ``job`` that starts at ``start``: then,
+        when it is the job's first process; else at the second ``_SECOND_LOOK`` boundary after it
+        (the occurrences of every other process's jobs looked at together, a read before)."""
+        if self._is_first(job):
+            return start
+        step = _ms(_SECOND_LOOK)
+        return (start // step + 2) * step
 
     async def _reopen(self, watch: _Changes, change: str) -> None:
         """The state this process used is gone from view, or its claim on its runs may be (``change``
@@ -7649,16 +7777,20 @@ class _Loop:
         due = [_due(job, row.last_slot, now_ms) for job, row in batch]
         claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
         moved = {}
+        written = []  # (the rows as this process moved them: the next look need not read them first)
         for (job, row), item, claim in zip(batch, due, claims):
             if claim is _NotClaimed.MOVED:
                 moved[job.name] = row.last_slot
                 continue
+            written.append(row._replace(last_slot=item.slot, next_slot=item.next_slot))
             if item.missed:
                 _tell_missed(self._events, job, item)
             if isinstance(claim, _Claim):
                 self.runner.start(job, claim)
             elif item.run:
                 self._events.tell(logging.WARNING, "skipped", job.name, item.slot, 0, _skipped(job), status="skipped")
+        if self._agenda is not None:
+            self._agenda.update(written)
         return moved
 
     async def _consider(self, run: _RunRow, now_ms: int, watch: _Changes) -> float | None:
