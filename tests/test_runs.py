@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, counting_looks, run, wait_for
+from conftest import QUIET, counting_looks, faulty, run, wait_for
 from schedulers import (
     HOUR,
     aligned,
@@ -54,6 +54,91 @@ def test_every_runs_each_slot_once_across_two_schedulers(db, clock):
         assert len(seen) == 3 and len({slot for slot, _, _ in seen}) == 3
         assert all(slot % 3_600_000 == 0 and attempt == 1 for slot, _, attempt in seen)
         assert [st for _, _, st in await statuses(a)] == ["succeeded"] * 3
+
+    run(main())
+
+
+async def _know_each_other(*schedulers, clock):
+    """Let the schedulers read who runs on the store (they read it every few seconds); the clock
+    moves a few seconds (started half an hour before the next hour, nothing comes due)."""
+    names = {s._loop.instance for s in schedulers}
+    clock.advance(anarchon_lite._PEERS_EVERY + 1)
+    for s in schedulers:
+        await wait_for(lambda s=s: (s._loop.poke(), set(s._loop._peers) == names)[1], message="peers known")
+
+
+def test_each_occurrence_is_claimed_by_its_first_process_alone(db, clock):
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2)
+    names = [f"job-{i}" for i in range(12)]
+    tried = {"a": [], "b": []}
+    seen = []
+
+    def trying(who):
+        def claim_due_many(original, owner, now_ms, due):
+            tried[who].extend(item.job for item in due)
+            return original(owner, now_ms, due)
+
+        return faulty(claim_due_many=claim_due_many)
+
+    async def main():
+        a, b = make(db, clock, instance="a", store=trying("a")), make(db, clock, instance="b", store=trying("b"))
+        for s in (a, b):
+            for name in names:
+                s.every(name, "1h", lambda ctx: seen.append((ctx.job, ctx.slot, ctx.instance)))
+        async with a, b:
+            await _know_each_other(a, b, clock=clock)
+            tried["a"].clear(), tried["b"].clear()
+            for n in range(1, 3):
+                next_slot(clock, HOUR)  # (the clock stays within the first processes' half second)
+                await wait_for(lambda n=n: all_ran(a, n), message=f"round {n}")
+        first = {name: anarchon_lite._first_of(name, ["a", "b"]) for name in names}
+        assert set(first.values()) == {"a", "b"}  # (the jobs are shared)
+        assert sorted(tried["a"]) == sorted(2 * [name for name in names if first[name] == "a"])
+        assert sorted(tried["b"]) == sorted(2 * [name for name in names if first[name] == "b"])
+        assert all(who == first[job] for job, _, who in seen[-2 * len(names) :])
+
+    async def all_ran(s, n):
+        return all([await has(s, name, "succeeded", n) for name in names])
+
+    run(main())
+
+
+def test_an_occurrence_its_first_process_leaves_unclaimed_is_claimed_by_another(db, clock):
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2)
+    names = [f"job-{i}" for i in range(12)]
+    free = threading.Event()
+    free.set()
+    seen = []
+
+    def hanging(original, owner, now_ms, due):
+        free.wait(30)  # (a process frozen before its claim: it writes nothing until let go)
+        return original(owner, now_ms, due)
+
+    async def main():
+        a = make(db, clock, instance="a", store=faulty(claim_due_many=hanging))
+        b = make(db, clock, instance="b")
+        for s in (a, b):
+            for name in names:
+                s.every(name, "1h", lambda ctx: seen.append((ctx.job, ctx.slot, ctx.instance)))
+        async with a, b:
+            await _know_each_other(a, b, clock=clock)
+            free.clear()
+            try:
+                next_slot(clock, HOUR)
+                clock.advance(anarchon_lite._SECOND_LOOK * 2)  # (past the others' second look)
+                await wait_for(lambda: all_ran(b))
+            finally:
+                free.set()
+        slot = int(clock.time() // HOUR * HOUR * 1000)
+        assert sorted(job for job, at, _ in seen if at == slot) == sorted(names)  # (each once)
+        assert {who for _, at, who in seen if at == slot} == {"b"}
+        assert {anarchon_lite._first_of(name, ["a", "b"]) for name in names} == {"a", "b"}
+
+    async def all_ran(s):
+        slot = int(clock.time() // HOUR * HOUR * 1000)
+        return all([await last_succeeded(s, name, slot) for name in names])
 
     run(main())
 
