@@ -3868,15 +3868,22 @@ class _FileWatch:
     """Wakes the event loop when any process writes the database (Linux inotify, via ctypes).
 
     Every commit appends to the ``-wal`` file, so an idle process sleeps until something changes
-    instead of polling. ``start`` returns None where inotify is not available; the scheduler then
-    polls the file every ``poll`` seconds.
+    instead of polling. The ``-wal`` is watched itself, and its directory only for the database's
+    own names being created, renamed or deleted (a ``-wal`` made anew is watched in its turn): the
+    other files of the directory, however busy, wake nothing. ``start`` returns None where inotify
+    is not available; the scheduler then polls the file every ``poll`` seconds.
     """
 
     # Writes, and the file being replaced or deleted (the scheduler then reopens the path).
     _IN_MODIFY, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x2, 0x40, 0x80, 0x100, 0x200
+    _NAMES = _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
 
-    def __init__(self, fd: int, loop: asyncio.AbstractEventLoop, prefix: bytes, on_change: Callable[[], None]):
-        self._fd, self._loop, self._prefix, self._on_change = fd, loop, prefix, on_change
+    def __init__(self, fd: int, libc: Any, loop: asyncio.AbstractEventLoop, path: str, on_change: Callable[[], None]):
+        self._fd, self._libc, self._loop, self._on_change = fd, libc, loop, on_change
+        self._prefix = os.fsencode(os.path.basename(path))
+        self._wal = os.fsencode(path + "-wal")
+        self._wal_name = self._prefix + b"-wal"
+        self._wal_wd = -1  # the -wal's watch (-1: none yet: the file does not exist)
 
     @classmethod
     def start(cls, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> _FileWatch | None:
@@ -3891,18 +3898,22 @@ class _FileWatch:
                 return None
             path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
             directory = os.fsencode(os.path.dirname(os.path.abspath(path)))
-            mask = cls._IN_MODIFY | cls._IN_MOVED_FROM | cls._IN_MOVED_TO | cls._IN_CREATE | cls._IN_DELETE
-            if libc.inotify_add_watch(fd, directory, mask) < 0:
+            if libc.inotify_add_watch(fd, directory, cls._NAMES) < 0:
                 os.close(fd)
                 return None
         except (OSError, AttributeError):
             return None
-        watch = cls(fd, loop, os.fsencode(os.path.basename(path)), on_change)
+        watch = cls(fd, libc, loop, os.path.abspath(path), on_change)
+        watch._watch_wal()
         loop.add_reader(fd, watch._read)
         return watch
 
+    def _watch_wal(self) -> None:
+        """Watch the -wal as it is now (the same watch again if it is the same file)."""
+        self._wal_wd = self._libc.inotify_add_watch(self._fd, self._wal, self._IN_MODIFY)
+
     def _read(self) -> None:
-        changed = False
+        changed = renamed = False
         while True:
             try:
                 data = os.read(self._fd, 65536)
@@ -3910,10 +3921,17 @@ class _FileWatch:
                 break
             offset = 0
             while offset + 16 <= len(data):
+                wd = int.from_bytes(data[offset : offset + 4], sys.byteorder, signed=True)
                 length = int.from_bytes(data[offset + 12 : offset + 16], sys.byteorder)
                 name = data[offset + 16 : offset + 16 + length].rstrip(b"\0")
-                changed = changed or name.startswith(self._prefix)
+                if wd == self._wal_wd and not name:
+                    changed = True
+                elif name.startswith(self._prefix):
+                    changed = True
+                    renamed = renamed or name == self._wal_name
                 offset += 16 + length
+        if renamed:  # (a -wal made anew, or gone: watch what the name holds now)
+            self._watch_wal()
         if changed:
             self._on_change()
 

@@ -3,6 +3,8 @@ over; leases running out and takeover; a store that fails or cannot be used; lis
 
 import asyncio
 import logging
+import select
+import sqlite3
 import threading
 import time
 
@@ -19,6 +21,7 @@ from schedulers import (
     statuses,
 )
 
+import anarchon_lite
 from anarchon_lite import (
     Cancelled,
     ConfigError,
@@ -464,6 +467,37 @@ def test_an_idle_scheduler_is_woken_by_other_processes_writes(db):
         assert ran[0] - started < 1.0
 
     run(main())
+
+
+@pytest.mark.sqlite_only  # (the file watch is SQLite's)
+def test_other_files_written_in_the_directory_do_not_wake_the_watch(tmp_path):
+    """Only the database's own files wake a scheduler: an app's log or data file beside it, written
+    all the time, queues nothing on the watch (inotify queues an event as the write returns)."""
+    db, neighbour = tmp_path / "jobs.db", tmp_path / "app.log"
+    neighbour.write_text("")
+    conn = sqlite3.connect(db, isolation_level=None)
+    loop = asyncio.new_event_loop()
+    told = []
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("CREATE TABLE t (x)")
+        watch = anarchon_lite._FileWatch.start(str(db), loop, lambda: told.append(1))
+        assert watch is not None
+        try:
+            with open(neighbour, "a") as log:
+                for n in range(50):
+                    log.write(f"line {n}\n")
+                    log.flush()
+            assert select.select([watch._fd], [], [], 0)[0] == []
+            conn.execute("INSERT INTO t VALUES (1)")  # a commit: the -wal grows
+            assert select.select([watch._fd], [], [], 5)[0] == [watch._fd]
+            watch._read()
+            assert told == [1]
+        finally:
+            watch.close()
+    finally:
+        loop.close()
+        conn.close()
 
 
 def test_a_stop_while_starting_is_kept(db):
