@@ -7271,8 +7271,10 @@ class _Notify:
 _CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
 _FULL_READ = 600.0  # seconds between reads of every job row (between them, only the changed ones)
-# After a look that fired occurrences, the next look waits this long (seconds), whatever wakes it: at
-# thousands of occurrences a minute, each look fires several together instead of one at a time.
+# After a look that found several occurrences due at once, the next look waits this long (seconds),
+# whatever wakes it: when they come due faster than one look each, each look fires several together
+# instead of one at a time. A look that found one fires it and waits for nothing: occurrences 20 ms
+# apart each start on time.
 _LOOK_GAP = 0.02
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
 # as they come due; the others look this long after (seconds), and claim only what is still unclaimed
@@ -7675,7 +7677,8 @@ class _Loop:
             assert agenda is not None, "read"
             ready, wait = agenda.ready(now_ms, min(self._idle, self._recheck or self._idle))
         if ready:
-            self._busy_until = self._clock.monotonic() + _LOOK_GAP
+            if len(ready) > 1:
+                self._busy_until = self._clock.monotonic() + _LOOK_GAP
             self._moved = await self._fire(ready, now_ms)
             self._version = -1
             wait = 0.0

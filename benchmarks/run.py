@@ -1293,6 +1293,7 @@ def sweep(quick: bool) -> dict[str, Any]:
     for count in counts:
         section["runs"].append(sweep_one(count, 20, seconds))
         print(f"sweep {count}: done", flush=True)
+    section["apart_20ms"] = sweep_one(1, 50, seconds)  # (50 jobs a second: one every 20 ms)
     return section
 
 
@@ -1310,6 +1311,11 @@ def report_sweep(section: dict[str, Any]) -> None:
             f"  {r['cpu_per_occurrence_ms'] / section['two_commits_ms']:>12.0f}  {r['wakeups_per_occurrence']:>12.1f}"
             f"  {r['lateness_p50_ms']:>6.1f} / {r['lateness_p99_ms']:.1f}"
         )
+    r = section["apart_20ms"]
+    print(
+        f"occurrences 20 ms apart, 1 process: {r['occurrences']} of {r['expected']}, start lateness p50"
+        f" {r['lateness_p50_ms']:.1f} / p99 {r['lateness_p99_ms']:.1f} ms, {r['cpu_per_occurrence_ms']:.2f} ms CPU each"
+    )
 
 
 def report(results: dict[str, Any]) -> None:
