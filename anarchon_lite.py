@@ -7681,6 +7681,7 @@ class _Loop:
                 self._busy_until = self._clock.monotonic() + _LOOK_GAP
             self._moved = await self._fire(ready, now_ms)
             self._version = -1
+            self._dirty = self._dirty or bool(self._moved)  # (read those rows before claiming them again)
             wait = 0.0
         self._watching, self._reread = False, self._poll
         for run in self._runs or []:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import os
+import signal
+import sqlite3
 import sys
 import time
 
@@ -22,6 +25,19 @@ _GIVEN = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if
 sys.path.insert(1 + len(_GIVEN), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _spin  # (this folder is on the path: the script's own)
+
+STATEMENTS = itertools.count()  # with $BENCH_STATEMENTS: SQL statements run on SQLite connections
+if os.environ.get("BENCH_STATEMENTS"):
+    _connect = sqlite3.connect
+
+    def _counted_connect(*args: object, **kwargs: object) -> sqlite3.Connection:
+        conn = _connect(*args, **kwargs)  # type: ignore[arg-type]
+        conn.set_trace_callback(lambda statement: next(STATEMENTS))
+        return conn
+
+    sqlite3.connect = _counted_connect  # type: ignore[assignment]
+    # SIGUSR1: emit how many so far (the benchmark asks at both ends of what it measures)
+    signal.signal(signal.SIGUSR1, lambda *_: emit("statements", count=next(STATEMENTS)))
 
 import anarchon_lite
 from anarchon_lite import Aborted, Scheduler

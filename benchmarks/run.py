@@ -468,7 +468,9 @@ def main() -> int:
     parser.add_argument("--no-peers", action="store_true", help="skip APScheduler")
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument(
-        "--only", choices=("takeover", "scale", "disk", "lean", "pgcost", "web", "sweep"), help="measure only this section"
+        "--only",
+        choices=("takeover", "scale", "disk", "lean", "pgcost", "web", "sweep"),
+        help="measure only this section",
     )
     args = parser.parse_args()
     if args.store == "postgresql":
@@ -1253,16 +1255,24 @@ def commit_floor(commits: int = 2_000) -> float:
     return cpu / commits
 
 
-def sweep_one(processes: int, jobs: int, seconds: float) -> dict[str, Any]:
+def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = False) -> dict[str, Any]:
     """``jobs`` jobs every second, spread over it, handlers that return at once, on ``processes``
-    processes sharing one store: CPU, wake-ups and starts per occurrence."""
+    processes sharing one store: CPU, wake-ups and starts per occurrence (and, with ``statements``,
+    the SQL statements the processes run: counted by a trace callback, which costs a little CPU)."""
     with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
-        fleet.start(processes)
+        if statements:
+            os.environ["BENCH_STATEMENTS"] = "1"
+        try:
+            fleet.start(processes)
+        finally:
+            os.environ.pop("BENCH_STATEMENTS", None)
         time.sleep(5.0)  # (every process declared and looking)
+        counted = _statements(fleet) if statements else 0
         cpu0, wakes0, begin = _cpu(fleet.procs), sum(_threads_switches(p.pid) for p in fleet.procs), time.time()
         time.sleep(seconds)
         cpu, end = _cpu(fleet.procs) - cpu0, time.time()
         wakes = sum(_threads_switches(p.pid) for p in fleet.procs) - wakes0
+        counted = _statements(fleet) - counted if statements else 0
         fleet.stop()
         starts = [s for e in fleet.events() if e["event"] == "starts" for s in e["starts"]]
         per_process = sorted(len(e["starts"]) for e in fleet.events() if e["event"] == "starts")
@@ -1278,9 +1288,25 @@ def sweep_one(processes: int, jobs: int, seconds: float) -> dict[str, Any]:
         "starts_per_process": per_process,
         "cpu_per_occurrence_ms": cpu / occurrences * 1000,
         "wakeups_per_occurrence": wakes / occurrences,
+        "statements_per_occurrence": counted / occurrences if statements else None,
         "lateness_p50_ms": percentile(late, 50),
         "lateness_p99_ms": percentile(late, 99),
     }
+
+
+def _statements(fleet: Fleet) -> int:
+    """The SQL statements run so far by the fleet's workers (started with $BENCH_STATEMENTS)."""
+
+    def told(pid: int) -> list[int]:
+        return [e["count"] for e in fleet.events() if e["event"] == "statements" and e["pid"] == pid]
+
+    total = 0
+    for proc in fleet.procs:
+        before = len(told(proc.pid))
+        proc.send_signal(signal.SIGUSR1)
+        _settle_until(lambda pid=proc.pid, n=before: len(told(pid)) > n, 10.0, "the statements counted")
+        total += told(proc.pid)[-1]
+    return total
 
 
 def sweep(quick: bool) -> dict[str, Any]:
@@ -1294,6 +1320,7 @@ def sweep(quick: bool) -> dict[str, Any]:
         section["runs"].append(sweep_one(count, 20, seconds))
         print(f"sweep {count}: done", flush=True)
     section["apart_20ms"] = sweep_one(1, 50, seconds)  # (50 jobs a second: one every 20 ms)
+    section["statements"] = sweep_one(1, 20, seconds, statements=True)
     return section
 
 
@@ -1311,6 +1338,11 @@ def report_sweep(section: dict[str, Any]) -> None:
             f"  {r['cpu_per_occurrence_ms'] / section['two_commits_ms']:>12.0f}  {r['wakeups_per_occurrence']:>12.1f}"
             f"  {r['lateness_p50_ms']:>6.1f} / {r['lateness_p99_ms']:.1f}"
         )
+    r = section["statements"]
+    print(
+        f"1 process, SQL statements counted: {r['statements_per_occurrence']:.1f} statements per occurrence"
+        f" ({r['cpu_per_occurrence_ms']:.2f} ms CPU each with the counting)"
+    )
     r = section["apart_20ms"]
     print(
         f"occurrences 20 ms apart, 1 process: {r['occurrences']} of {r['expected']}, start lateness p50"
