@@ -2172,7 +2172,6 @@ _SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
 _SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock() FROM runs ORDER BY job, slot"
 _SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"  # (the job's other unfinished runs)
 _SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
-_SQL_INSERT_DUE_RUN = _SQL_INSERT_RUN + " ON CONFLICT (job, slot) DO NOTHING"  # (already triggered by hand)
 _SQL_TAKE_RUN = (
     "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = :owner, owner_pid = :pid, "
     "owner_start = :start, owner_ns = :namespace, boot_id = :boot_id, lease_until = lease_clock() + :lease, "
@@ -2180,6 +2179,13 @@ _SQL_TAKE_RUN = (
     "WHERE job = :job AND slot = :slot"
 )
 _SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
+# A due occurrence's run, made running as its first attempt in one statement (``_SQL_TAKE_RUN``'s
+# parameters); nothing when a run of that very slot was triggered by hand (it is claimed as pending).
+_SQL_INSERT_DUE_RUNNING = (
+    "INSERT INTO runs (job, slot, attempt, state, not_before, owner, owner_pid, owner_start, owner_ns, boot_id, "
+    "lease_until, lease, started_at) VALUES (:job, :slot, 1, 'running', :now_ms, :owner, :pid, :start, :namespace, "
+    ":boot_id, lease_clock() + :lease, :lease, :now_ms) ON CONFLICT (job, slot) DO NOTHING"
+)
 
 
 def _held_by(job: str, slot: int, attempt: int | None, owner: str | None) -> dict[str, Any]:
@@ -2564,28 +2570,31 @@ class _SQLStore(_Store):
         if self._full(conn, job, slot, due.overlap):
             self._skip(conn, job, slot, owner, now_ms)
             return _NotClaimed.RECORDED
-        if conn.execute(_SQL_INSERT_DUE_RUN, (job, slot, now_ms)).rowcount == 0:
+        if conn.execute(_SQL_INSERT_DUE_RUNNING, self._holder(job, slot, owner, due.lease, now_ms)).rowcount == 0:
             return _NotClaimed.RECORDED  # a run of that very slot was triggered: it is claimed as pending
-        return self._take(conn, job, slot, owner, due.lease, now_ms)
+        conn.execute(_SQL_RECORD, _record(job, slot, 1, "running", owner, started_at=now_ms))
+        return _Claim(job, slot, 1, 0, now_ms)
+
+    def _holder(self, job: str, slot: int, owner: str, lease: float, now_ms: int) -> dict[str, Any]:
+        """The parameters that make ``owner`` (an instance of this process) the holder of a run for
+        ``lease`` seconds, stamped on the lease clock, with what tells whether this process still
+        exists."""
+        me = self._owner()
+        return {
+            "owner": owner,
+            "pid": me.pid,
+            "start": me.start,
+            "namespace": me.namespace,
+            "boot_id": me.boot_id,
+            "lease": lease,
+            "now_ms": now_ms,
+            "job": job,
+            "slot": slot,
+        }
 
     def _take(self, conn: Any, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
-        """Make ``owner`` (an instance of this process) the holder of a run for ``lease`` seconds,
-        stamped on the lease clock, with what tells whether this process still exists."""
-        me = self._owner()
-        conn.execute(
-            _SQL_TAKE_RUN,
-            {
-                "owner": owner,
-                "pid": me.pid,
-                "start": me.start,
-                "namespace": me.namespace,
-                "boot_id": me.boot_id,
-                "lease": lease,
-                "now_ms": now_ms,
-                "job": job,
-                "slot": slot,
-            },
-        )
+        """Make ``owner`` the holder of a pending run (its next attempt), as ``_holder`` says."""
+        conn.execute(_SQL_TAKE_RUN, self._holder(job, slot, owner, lease, now_ms))
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
         conn.execute(_SQL_RECORD, _record(job, slot, attempt, "running", owner, started_at=now_ms))
         return _Claim(job, slot, attempt, failures, now_ms)
@@ -4759,7 +4768,7 @@ class _PGChanges(_Changes):
 
     pushed = True
     fresh_liveness = False  # ``owner_gone`` answers as of the last read of the runs
-    coalesce = 0.05
+    coalesce = 0.5  # (as on SQLite: what comes due is claimed on timers, changes told are read together)
 
     def __init__(
         self, target: _PGTarget, identity: _PGIdentity, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]
