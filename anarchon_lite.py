@@ -2202,9 +2202,12 @@ _SQL_PROGRESS = f"UPDATE runs SET progress_done = :done, progress_total = :total
 _SQL_SET_PROCESS_GROUP = f"UPDATE runs SET process_group = :group WHERE {_SQL_FENCE}"
 _SQL_PROCESS_GROUP = "SELECT process_group FROM runs WHERE job = ? AND slot = ?"
 _SQL_IS_HELD = f"SELECT cancel FROM runs WHERE {_SQL_FENCE}"
-_SQL_RELEASE = (
+# An attempt's end lets go of its run, fenced (nothing when the attempt no longer holds it): the
+# run deleted, or left pending for the next attempt (``_held_by`` and these).
+_SQL_DELETE_HELD = f"DELETE FROM runs WHERE {_SQL_FENCE}"
+_SQL_RELEASE_HELD = (
     "UPDATE runs SET state = 'pending', not_before = :not_before, failures = failures + :failed, owner = NULL, "
-    "lease_until = NULL WHERE job = :job AND slot = :slot"
+    f"lease_until = NULL WHERE {_SQL_FENCE}"
 )
 _SQL_DELETE_RUN = "DELETE FROM runs WHERE job = ? AND slot = ?"
 _SQL_CANCEL = "UPDATE runs SET cancel = 1 WHERE job = ?"
@@ -2691,23 +2694,20 @@ class _SQLStore(_Store):
 
     def _finish(self, conn: Any, owner: str, end: _End) -> bool:
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
-        if not conn.execute(_SQL_IS_HELD, _held_by(job, slot, attempt, owner)).fetchall():
-            return False
+        held = _held_by(job, slot, attempt, owner)
+        if end.then is _AfterEnd.DONE:
+            let_go = conn.execute(_SQL_DELETE_HELD, held)
+        else:
+            failed = int(end.then is _AfterEnd.RETRY)
+            let_go = conn.execute(_SQL_RELEASE_HELD, {**held, "not_before": end.not_before, "failed": failed})
+        if let_go.rowcount == 0:
+            return False  # (the attempt no longer holds its run: nothing was written)
         ended = {"status": end.status, "finished_at": end.now_ms, "error": end.error, "output": end.output}
         ended.update(job=job, slot=slot, attempt=attempt)
         if conn.execute(_SQL_END_NEWEST, ended).rowcount == 0:  # others were recorded since: made the newest
             conn.execute(self._SQL_FINISH_ATTEMPT, ended)
         if end.then is _AfterEnd.DONE:
-            conn.execute(_SQL_DELETE_RUN, (job, slot))
             self._prune(conn, job)
-        else:
-            release = {
-                "not_before": end.not_before,
-                "failed": int(end.then is _AfterEnd.RETRY),
-                "job": job,
-                "slot": slot,
-            }
-            conn.execute(_SQL_RELEASE, release)
         return True
 
     def _prune(self, conn: Any, job: str) -> None:
