@@ -4776,6 +4776,7 @@ class _PGChanges(_Changes):
         self._target, self._identity, self._loop, self._on_change = target, identity, loop, on_change
         self._psycopg = _import_psycopg()
         self._count = 0  #: bumped at each notification and each new session (read on the loop)
+        self._held = False  #: the loop reads changes later (``hold``): notifications are counted, not told
         self._connected = False  #: whether the thread holds a session now
         self._lost: str | None = None  #: why the last session was lost, until ``reset``
         self._running: Callable[[], bool] = _false  #: whether attempts of this process run (``vouch_for``)
@@ -4929,8 +4930,10 @@ class _PGChanges(_Changes):
         """Read what the server sent: notifications (told to the loop), and the answer to the
         round trip asked at ``asked``; None once it is answered (or none was asked)."""
         pgconn.consume_input()
+        told = self._count
         while pgconn.notifies() is not None:
             self._count += 1
+        if self._count != told and not self._held:  # (held: the loop reads them when it lets go)
             self._tell()
         while asked is not None and not pgconn.is_busy():
             if pgconn.get_result() is None:
@@ -4942,6 +4945,12 @@ class _PGChanges(_Changes):
             self._loop.call_soon_threadsafe(self._on_change)
 
     # -- on the event loop
+
+    def hold(self) -> None:
+        self._held = True
+
+    def release(self) -> None:
+        self._held = False
 
     def version(self) -> int:
         return self._count if self._connected else -2
