@@ -2690,7 +2690,9 @@ class _SQLStore(_Store):
         def work(conn: Any) -> list[bool]:
             return [self._finish(conn, owner, end) for end in ends]
 
-        return self._write(work)
+        # Runs deleted concern no other process at once (one watching such a run reads the runs
+        # again within 0.5 s); runs left pending do: another may claim them now.
+        return self._write(work, lambda written: any(w and e.then is not _AfterEnd.DONE for w, e in zip(written, ends)))
 
     def _finish(self, conn: Any, owner: str, end: _End) -> bool:
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
@@ -4522,9 +4524,12 @@ class _PGStore(_SQLStore):
             while True:
                 try:
                     with raw.transaction():
-                        raw.execute(self._turn)
+                        if notify is True:  # (told in the same round trip as the turn is taken)
+                            raw.execute(self._turn + ", pg_notify(%s, '')", (_pg_channel(self._target),))
+                        else:
+                            raw.execute(self._turn)
                         result = work(_PGConnection(raw))
-                        if notify is True or (notify and notify(result)):
+                        if notify is not True and notify and notify(result):
                             raw.execute("SELECT pg_notify(%s, '')", (_pg_channel(self._target),))
                     return result
                 except self._psycopg.Error as exc:
