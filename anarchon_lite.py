@@ -6930,6 +6930,12 @@ def _at_start(job: str, start: int) -> int:
     return start
 
 
+def _next_due(job: _Job, row: _JobRow) -> int | None:
+    """The next occurrence of ``job`` after its watermark in ``row`` (the stored next slot, when
+    the row was declared as this process declares it), or None."""
+    return job.next_due(row.last_slot, row.next_slot if row.definition == job.definition else None)
+
+
 class _Agenda:
     """The job rows as this process last read them, and the declared, unpaused jobs among them in
     the order they come due: a look finds what is due in time that grows with what is due, and a
@@ -6950,7 +6956,7 @@ class _Agenda:
         job = self.jobs.get(row.name)
         if job is None or row.paused:
             return None
-        due = job.next_due(row.last_slot, row.next_slot if row.definition == job.definition else None)
+        due = _next_due(job, row)
         return None if due is None else ((self._look(row.name, job.schedule.start_of(due)), row.name), (job, row))
 
     def current(self, jobs: dict[str, _Job]) -> bool:
@@ -6974,8 +6980,13 @@ class _Agenda:
                 self._due[row.name] = entry[0][0]
 
     def first(self) -> tuple[int, str] | None:
-        """The next occurrence due and its job's name (None: nothing is)."""
-        return self._keys[0] if self._keys else None
+        """The start of the next occurrence this process looks at, and its job's name (None:
+        nothing is due)."""
+        if not self._keys:
+            return None
+        job, row = self._entries[0]
+        due = _next_due(job, row)
+        return (self._keys[0][0] if due is None else job.schedule.start_of(due)), job.name
 
     def ready(self, now_ms: int, wait: float) -> tuple[list[tuple[_Job, _JobRow]], float]:
         """The jobs with an occurrence due by ``now_ms`` (its start: its time and its jitter; each
