@@ -7313,7 +7313,8 @@ _LOOK_GAP = 0.02
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
 # as they come due; the others look this long after (seconds), and claim only what is still unclaimed
 # then (the first is frozen, stopping or gone), so that one claim is tried where every process tried.
-_SECOND_LOOK = 0.5
+# Longer than the coalescing of reads (0.5 s): the first's claim is read before, and moves it on.
+_SECOND_LOOK = 1.0
 _PEERS_EVERY = 2.0  # seconds at least between two reads of which processes run and what they declare
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
 
@@ -7783,12 +7784,8 @@ class _Loop:
 
     def _look(self, job: str, start: int) -> int:
         """When (ms) this process looks at an occurrence of ``job`` that starts at ``start``: then,
-        when it is the job's first process; else at the second ``_SECOND_LOOK`` boundary after it
-        (the occurrences of every other process's jobs looked at together, a read before)."""
-        if self._is_first(job):
-            return start
-        step = _ms(_SECOND_LOOK)
-        return (start // step + 2) * step
+        when it is the job's first process; else ``_SECOND_LOOK`` after it (a read before)."""
+        return start if self._is_first(job) else start + _ms(_SECOND_LOOK)
 
     async def _reopen(self, watch: _Changes, change: str) -> None:
         """The state this process used is gone from view, or its claim on its runs may be (``change``
