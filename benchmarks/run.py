@@ -469,7 +469,7 @@ def main() -> int:
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument(
         "--only",
-        choices=("takeover", "scale", "disk", "lean", "pgcost", "web", "sweep"),
+        choices=("takeover", "scale", "disk", "lean", "pgcost", "web", "sweep", "neighbour"),
         help="measure only this section",
     )
     args = parser.parse_args()
@@ -858,6 +858,13 @@ def measure(args: argparse.Namespace) -> int:
         elif args.only == "sweep":
             results["sweep"] = sweep(quick)
             report_sweep(results["sweep"])
+        elif args.only == "neighbour":
+            results["neighbour"] = neighbour(30.0 if quick else 120.0)
+            print(
+                "idle (10 hourly jobs) beside a file written 80 times a second:"
+                f" {results['neighbour']['wakeups_per_s']:.2f} wake-ups a second,"
+                f" {results['neighbour']['cpu_s_per_hour']:.2f} CPU-s an hour (goals ≤ 1, ≤ 1)"
+            )
         else:
             results["scale"] = scale(quick, peers=not args.no_peers)
             report_scale(results["scale"])
@@ -1307,6 +1314,28 @@ def _statements(fleet: Fleet) -> int:
         _settle_until(lambda pid=proc.pid, n=before: len(told(pid)) > n, 10.0, "the statements counted")
         total += told(proc.pid)[-1]
     return total
+
+
+def neighbour(seconds: float) -> dict[str, Any]:
+    """An idle scheduler (ten hourly jobs, nothing due) in a directory where another program
+    appends to a file of its own 80 times a second (an app's log or data file beside the
+    database): the scheduler's wake-ups (every thread) and CPU."""
+    with tempfile.TemporaryDirectory() as folder, Fleet("idle_cost", folder) as fleet:
+        (proc,) = fleet.start(1)
+        time.sleep(3.0)  # (joined, the first looks made)
+        log = os.path.join(folder, "app.log")
+        cpu0, wakes0, begin = proc_stats(proc.pid)[0], _threads_switches(proc.pid), time.monotonic()
+        with open(log, "a") as handle:
+            beat = begin
+            while time.monotonic() < begin + seconds:
+                handle.write("a line of the app's own log\n")
+                handle.flush()
+                beat += 1 / 80
+                time.sleep(max(0.0, beat - time.monotonic()))
+        elapsed = time.monotonic() - begin
+        cpu, wakes = proc_stats(proc.pid)[0] - cpu0, _threads_switches(proc.pid) - wakes0
+        fleet.stop()
+    return {"seconds": elapsed, "wakeups_per_s": wakes / elapsed, "cpu_s_per_hour": cpu / elapsed * 3600}
 
 
 def sweep(quick: bool) -> dict[str, Any]:
