@@ -4654,21 +4654,27 @@ _PG_SHARED_SESSIONS = (
 
 def _pg_check_sessions(raw: Any, target: _PGTarget, psycopg: Any) -> None:
     """Refuse a connection whose session is not its own. A session's backend never changes and
-    never serves another client; behind transaction pooling, a second client's transaction is
-    served by the backend this connection just used (PgBouncer hands out the most recently
-    released), or this connection's next statement by another one."""
-    mine = raw.execute("SELECT pg_backend_pid()").fetchone()[0]
+    never serves another client. This connection and a second one each hold a transaction (two
+    backends), this one ends first and the second after; then this one asks again: behind
+    transaction pooling it is served by another backend (PgBouncer hands out the most recently
+    released: the second's), and a statement pooler refuses the transactions. Another client
+    taking that backend meanwhile can only make this one land elsewhere still."""
     other = target.connect(psycopg)
+    pid = "SELECT pg_backend_pid()"
     try:
-        with other.transaction():
-            theirs = other.execute("SELECT pg_backend_pid()").fetchone()[0]
-            shared = theirs == mine  # (then this connection must not ask for a backend before it ends)
-        if not shared:
-            shared = raw.execute("SELECT pg_backend_pid()").fetchone()[0] != mine
+        raw.execute("BEGIN")
+        mine = raw.execute(pid).fetchone()[0]
+        other.execute("BEGIN")
+        theirs = other.execute(pid).fetchone()[0]
+        raw.execute("COMMIT")
+        other.execute("COMMIT")
+        shared = theirs == mine or raw.execute(pid).fetchone()[0] != mine
     except psycopg.Error as exc:
         if "pooling mode" not in str(exc):  # "transaction blocks not allowed in statement pooling mode"
             raise
         shared = True
+        with contextlib.suppress(psycopg.Error):
+            raw.execute("ROLLBACK")
     finally:
         other.close()
     if shared:

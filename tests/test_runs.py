@@ -90,7 +90,7 @@ def test_each_occurrence_is_claimed_by_its_first_process_alone(db, clock):
             await _know_each_other(a, b, clock=clock)
             tried["a"].clear(), tried["b"].clear()
             for n in range(1, 3):
-                next_slot(clock, HOUR)  # (the clock stays within the first processes' half second)
+                next_slot(clock, HOUR)  # (the clock stays before the others' second look)
                 await wait_for(lambda n=n: all_ran(a, n), message=f"round {n}")
         first = {name: anarchon_lite._first_of(name, ["a", "b"]) for name in names}
         assert set(first.values()) == {"a", "b"}  # (the jobs are shared)
