@@ -3965,6 +3965,11 @@ class _SQLiteChanges(_Changes):
     ``pushed``. Owners are judged by two witnesses: their liveness sockets (``_Liveness``) and
     ``/proc``; either one saying that the process ended is enough."""
 
+    #: Every commit of every process appends to the -wal and wakes every watcher: a busy store's
+    #: changes are read at most this often by each process (its own writes and an owner's end at
+    #: once); a process claims what comes due on its own timers, not on these reads.
+    coalesce = 0.5
+
     def __init__(
         self,
         path: str,
@@ -3986,11 +3991,6 @@ class _SQLiteChanges(_Changes):
         self._files = None if poll else _FileWatch.start(path, loop, on_change)
         self._live = _Liveness(path, loop, on_gone or on_change, shared_group)
         self._live.listen(_this_owner(instance))
-
-    #: Every commit of every process appends to the -wal and wakes every watcher: a busy store's
-    #: changes are read at most this often by each process (its own writes and an owner's end at
-    #: once); a process claims what comes due on its own timers, not on these reads.
-    coalesce = 0.5
 
     @property
     def pushed(self) -> bool:
@@ -4518,6 +4518,8 @@ class _PGStore(_SQLStore):
         ``busy_timeout``) or, if ``again``, when its connection is lost (``_reconnecting``); notify
         the other processes when it commits."""
 
+        channel = (_pg_channel(self._target),)
+
         def transaction(raw: Any) -> T:
             deadline = time.monotonic() + self._busy_timeout
             pause = 0.001
@@ -4525,12 +4527,12 @@ class _PGStore(_SQLStore):
                 try:
                     with raw.transaction():
                         if notify is True:  # (told in the same round trip as the turn is taken)
-                            raw.execute(self._turn + ", pg_notify(%s, '')", (_pg_channel(self._target),))
+                            raw.execute(self._turn + ", pg_notify(%s, '')", channel)
                         else:
                             raw.execute(self._turn)
                         result = work(_PGConnection(raw))
-                        if notify is not True and notify and notify(result):
-                            raw.execute("SELECT pg_notify(%s, '')", (_pg_channel(self._target),))
+                        if callable(notify) and notify(result):
+                            raw.execute("SELECT pg_notify(%s, '')", channel)
                     return result
                 except self._psycopg.Error as exc:
                     if getattr(exc, "sqlstate", None) not in _PG_RETRY or time.monotonic() > deadline:
@@ -6932,10 +6934,6 @@ class _Plan:
     missed_count: int
 
 
-def _at_start(job: str, start: int) -> int:
-    return start
-
-
 def _next_due(job: _Job, row: _JobRow) -> int | None:
     """The next occurrence of ``job`` after its watermark in ``row`` (the stored next slot, when
     the row was declared as this process declares it), or None."""
@@ -6947,7 +6945,7 @@ class _Agenda:
     the order they come due: a look finds what is due in time that grows with what is due, and a
     read that brings a few changed rows moves only those, not with what is declared."""
 
-    def __init__(self, jobs: dict[str, _Job], rows: Iterable[_JobRow], look: Callable[[str, int], int] = _at_start):
+    def __init__(self, jobs: dict[str, _Job], rows: Iterable[_JobRow], look: Callable[[str, int], int]):
         self.jobs = jobs  #: the declarations it was made for (the scheduler's)
         self._look = look  #: when this process looks at an occurrence of a job, given its start (ms)
         self.count = len(jobs)
@@ -7362,7 +7360,11 @@ def _from_own_place(ready: list[T], instance: str) -> list[T]:
     return ready[turn:] + ready[:turn]
 
 
-def _met(store: _Store, known: tuple[tuple[str, _dt.datetime, int | None], ...]) -> tuple[Any, Any] | None:
+#: Who runs on a store, to tell a change: each process's instance, when it joined, how many jobs it declares.
+_Who = tuple[tuple[str, _dt.datetime, Optional[int]], ...]
+
+
+def _met(store: _Store, known: _Who) -> tuple[_Who, dict[str, frozenset[str]]] | None:
     """The processes running on ``store`` and what each declares, read only when who they are
     differs from ``known`` (a process joined, left, or joined again with other declarations);
     returns who they are and that, or None."""
@@ -7467,7 +7469,7 @@ class _Loop:
         self._failing: str | None = None  #: the error of the last look, while looks fail
         self._logged = 0.0  #: when it was last logged (monotonic)
         self._peers: dict[str, frozenset[str]] = {}  #: the running processes and what they declare, as last read
-        self._peers_key: tuple[tuple[str, _dt.datetime, int | None], ...] = ()  #: who they were, to tell a change
+        self._peers_key: _Who = ()  #: who they were, to tell a change
         self._peers_at = -math.inf  #: when they were last read (monotonic)
         self._first: dict[str, bool] = {}  #: whether this process is each job's first, among these peers
 
@@ -7695,9 +7697,7 @@ class _Loop:
         if version != self._version and not self._dirty and self._runs is not None:
             deferred = max(0.0, self._read_real + watch.coalesce - time.monotonic())
         if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty):
-            self._dirty = False
-            await self._read()
-            self._version = version
+            await self._read_as_of(version)
         elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
             self._runs = await self._link.call(lambda s: s.runs())
             self._read_at, self._read_real = self._clock.monotonic(), time.monotonic()
@@ -7709,14 +7709,15 @@ class _Loop:
         assert agenda is not None, "made by the first read"
         if not agenda.current(jobs):
             self._agenda = agenda = _Agenda(jobs, agenda.rows.values(), self._look)
-        ready, wait = agenda.ready(now_ms, min(self._idle, self._recheck or self._idle))
+        limit = min(self._idle, self._recheck or self._idle)
+        ready, wait = agenda.ready(now_ms, limit)
         if ready and deferred and not all(self._is_first(job.name) for job, _ in ready):
             # A second look acts on what the jobs' first processes left unclaimed: as the store has it.
-            await self._read()
-            self._version, deferred = version, 0.0
+            await self._read_as_of(version)
+            deferred = 0.0
             agenda = self._agenda
             assert agenda is not None, "read"
-            ready, wait = agenda.ready(now_ms, min(self._idle, self._recheck or self._idle))
+            ready, wait = agenda.ready(now_ms, limit)
         if ready:
             if len(ready) > 1:
                 self._busy_until = self._clock.monotonic() + _LOOK_GAP
@@ -7743,6 +7744,12 @@ class _Loop:
             _log.warning(_CLOCK_UNSET, now, self._where, newest)
             self._clock_warned = True
         return True
+
+    async def _read_as_of(self, version: int) -> None:
+        """``_read``, and remember that it saw the store's changes up to ``version``."""
+        self._dirty = False
+        await self._read()
+        self._version = version
 
     async def _read(self) -> None:
         """Read the runs, and the job rows changed since the last read (all of them at first, and

@@ -63,8 +63,13 @@ async def _know_each_other(*schedulers, clock):
     moves a few seconds (started half an hour before the next hour, nothing comes due)."""
     names = {s._loop.instance for s in schedulers}
     clock.advance(anarchon_lite._PEERS_EVERY + 1)
+
+    def knows_them(s):
+        s._loop.poke()  # (a look that reads)
+        return set(s._loop._peers) == names
+
     for s in schedulers:
-        await wait_for(lambda s=s: (s._loop.poke(), set(s._loop._peers) == names)[1], message="peers known")
+        await wait_for(lambda s=s: knows_them(s), message="peers known")
 
 
 def test_each_occurrence_is_claimed_by_its_first_process_alone(db, clock):
