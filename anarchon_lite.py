@@ -7372,6 +7372,21 @@ def _met(store: _Store, known: _Who) -> tuple[_Who, dict[str, frozenset[str]]] |
     return None if key == known else (key, store.peers())
 
 
+def _give_back_freed_memory() -> None:
+    """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``): what compiling
+    this file from source left free (under ``$PYTHONDONTWRITEBYTECODE`` or from a read-only copy, 18
+    MB of a 43 MB process) stays resident otherwise. Elsewhere (musl, macOS) nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def _greeting(where: str, instance: str, count: int, first: tuple[int, str] | None, now: float) -> str:
     """The start-up line: where this process joined, as whom, how many jobs it declares, and the
     first occurrence due (``first``: its time in ms and its job), with how long until it."""
@@ -7615,6 +7630,7 @@ class _Loop:
     def _greet(self) -> None:
         """Say, once the first look is done, that this process has joined, and what comes next
         (a process that would otherwise stay silent until its first run looks hung)."""
+        _give_back_freed_memory()
         first = None if self._agenda is None else self._agenda.first()
         _log.info("%s", _greeting(self._where, self.instance, len(self._declared.jobs), first, self._clock.time()))
 
