@@ -1360,6 +1360,13 @@ class _Store(abc.ABC):
     """
 
     retention = 1000  # history records kept per job
+    backlog: frozenset[str] = frozenset()  #: jobs whose last prune stopped at its bound, records left
+    shrink = False  #: a backlog was pruned: the file's free pages may be given back (``tidy``)
+
+    @property
+    def untidy(self) -> bool:
+        """Whether ``tidy`` has work (read from any thread: a hint)."""
+        return bool(self.backlog) or self.shrink
 
     # -- jobs
 
@@ -1548,6 +1555,12 @@ class _Store(abc.ABC):
         success and failure, the newest attempt's duration, the attempts running now."""
 
     # -- upkeep
+
+    @abc.abstractmethod
+    def tidy(self) -> bool:
+        """One bounded step of what pruning left (``untidy``): a batch of a job's records past its
+        retention, or of the file's free pages given back; its own short transaction, telling no
+        one. Whether more is left."""
 
     @abc.abstractmethod
     def maintain(self) -> None:
@@ -2247,15 +2260,16 @@ _SQL_TOTALS_TABLE = """CREATE TABLE IF NOT EXISTS totals (
         PRIMARY KEY (job, status)
     )"""
 _SQL_NTH_NEWEST = "SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?"
-_SQL_PRUNABLE = (  # a job's records past the newest ``retention``; never an unfinished run's: it still writes its end there
-    f"job = ? AND id <= ({_SQL_NTH_NEWEST}) "
-    "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
+_SQL_NTH_OLDEST = "SELECT id FROM history WHERE job = ? ORDER BY id LIMIT 1 OFFSET ?"
+_SQL_PRUNABLE = (  # a job's records up to an id; never an unfinished run's: it still writes its end there
+    "job = ? AND id <= ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
 )
 _SQL_COUNT_PRUNED = (  # the records pruning deletes stay counted: the metrics' counters never go down
     f"INSERT INTO totals (job, status, records) SELECT job, status, count(*) FROM history WHERE {_SQL_PRUNABLE} "
     "GROUP BY job, status ON CONFLICT (job, status) DO UPDATE SET records = totals.records + excluded.records"
 )
 _SQL_PRUNE_HISTORY = f"DELETE FROM history WHERE {_SQL_PRUNABLE}"
+_PRUNE_BATCH = 1000  # records pruned at most in one transaction (a few ms of the write lock)
 # The metrics: per job and status the records, newest start and end; the newest attempt's duration.
 _SQL_FIGURES = "SELECT job, status, count(*), max(started_at), max(finished_at) FROM history GROUP BY job, status"
 _SQL_TOTALS = "SELECT job, status, records FROM totals"
@@ -2714,12 +2728,38 @@ class _SQLStore(_Store):
 
     def _prune(self, conn: Any, job: str) -> None:
         """Prune the job's history to ``retention`` records once it holds a tenth more: each write
-        of a prune changes a few pages, once every hundred records rather than at every one."""
+        of a prune changes a few pages, once every hundred records rather than at every one. At most
+        ``_PRUNE_BATCH`` records at once, the oldest: a backlog (retention lowered, years of records
+        left by an older version) is noted in ``backlog``, and ``tidy`` prunes the rest batch by
+        batch, never holding the write lock for longer than one batch takes."""
         if conn.execute(_SQL_NTH_NEWEST, (job, self.retention + self.retention // 10)).fetchone() is None:
+            if job in self.backlog:
+                self.backlog -= {job}
             return
-        conn.execute(_SQL_COUNT_PRUNED, (job, job, self.retention))
-        conn.execute(_SQL_PRUNE_HISTORY, (job, job, self.retention))
+        (keep,) = conn.execute(_SQL_NTH_NEWEST, (job, self.retention)).fetchone()
+        batch = conn.execute(_SQL_NTH_OLDEST, (job, _PRUNE_BATCH - 1)).fetchone()
+        upto = keep if batch is None else min(keep, batch[0])
+        conn.execute(_SQL_COUNT_PRUNED, (job, upto))
+        pruned = conn.execute(_SQL_PRUNE_HISTORY, (job, upto)).rowcount
         conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
+        if upto == keep or not pruned:  # (a batch of unfinished runs' records alone: left as they are)
+            self.backlog -= {job}
+        else:
+            self.backlog |= {job}
+            self.shrink = True
+
+    def tidy(self) -> bool:
+        backlog = next(iter(self.backlog), None)
+        if backlog is not None:
+            self._write(lambda conn: self._prune(conn, backlog), notify=False)
+            return True
+        if self.shrink:
+            self.shrink = self._shrink()
+        return self.shrink
+
+    def _shrink(self) -> bool:
+        """Give a bounded part of the file's free pages back to the system; whether more are left."""
+        return False
 
     # -- requests from any process ----------------------------------------------------------------
 
@@ -2883,6 +2923,7 @@ _WAL_LIMIT = 1024 * 1024
 # changes about ten (a job row, a run row, a history record, their indexes): 1 KiB each instead of
 # SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
 _PAGE_SIZE = 1024
+_SHRINK_PAGES = 2048  # free pages given back at most in one transaction
 _OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteFile._connect)
 _SQLITE_KEEP_NEWEST, _SQLITE_IS_NEWEST = (sql.format(schema="") for sql in (_SQL_KEEP_NEWEST, _SQL_IS_NEWEST))
 _SQLITE_NEWEST_TRIGGERS = (
@@ -3536,8 +3577,9 @@ class _SQLiteFile(_SQLStore):
             version = self._refuse_foreign(conn)
             if version > SCHEMA_VERSION:
                 self._refuse_newer(version)
-            if version == 0:  # (a file with anything in it keeps its page size)
+            if version == 0:  # (a file with anything in it keeps its page size and page map)
                 conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
+                conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # free pages can be given back (``_shrink``)
             _switch_to_wal(conn, self.path, self._busy_timeout)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             pages = _WAL_LIMIT // int(conn.execute("PRAGMA page_size").fetchone()[0])
@@ -3638,6 +3680,28 @@ class _SQLiteFile(_SQLStore):
             raise StoreError(self.path, _explain(exc)) from None
         finally:
             conn.text_factory = str
+
+    def _shrink(self) -> bool:
+        """Give ``_SHRINK_PAGES`` of the file's free pages back to the system (an incremental
+        vacuum: the pages at the file's end move into free ones, and the file is cut short when the
+        WAL is written back), while a quarter of its pages or more are free; whether more are left.
+        A file made by an older anarchon_lite (``PRAGMA auto_vacuum`` 0) has no page map for it and
+        keeps its size: ``PRAGMA auto_vacuum = INCREMENTAL`` then ``VACUUM``, with no scheduler
+        running, shrinks it once and makes it one that shrinks (the README's "The store")."""
+
+        def work(conn: sqlite3.Connection) -> bool:
+            free = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+            pages = int(conn.execute("PRAGMA page_count").fetchone()[0])
+            if not free or free * 4 < pages or conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                return False
+            for _ in range(min(free, _SHRINK_PAGES)):  # (a step gives one page back; Python steps it once)
+                conn.execute("PRAGMA incremental_vacuum(1)")
+            return True
+
+        if self._write(work, notify=False):
+            return True
+        self._read("PRAGMA wal_checkpoint(PASSIVE)")  # (the file is cut short as the WAL is written back)
+        return False
 
     def maintain(self) -> None:
         """Write the WAL back into the file once it holds twice ``_WAL_LIMIT``, never waiting for
@@ -6023,6 +6087,11 @@ class _StoreLink:
     def open(self) -> bool:
         return self._thread is not None
 
+    @property
+    def untidy(self) -> bool:
+        """Whether the store has upkeep to do (``_Store.tidy``)."""
+        return self._thread is not None and self._thread.store.untidy
+
     async def call(self, work: Callable[[_Store], T]) -> T:
         """Run ``work(store)`` on the store's thread; the transaction completes even if the
         awaiting task is cancelled."""
@@ -6618,6 +6687,7 @@ class _Runner:
         self._poke = poke  #: called after an end that leaves the run to be claimed: the scheduler looks again
         self.ends_written: Callable[[], None] = _nothing  #: called after each write of ends
         self.started: Callable[[], None] = _nothing  #: called after an attempt began
+        self.untidy: Callable[[], None] = _nothing  #: called when a write of ends left the store upkeep
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
@@ -6915,6 +6985,8 @@ class _Runner:
             for (_, future), written in zip(batch, results):
                 _set_result(future, written)
             self.ends_written()
+            if self._link.untidy:
+                self.untidy()
 
 
 ###############################################################################
@@ -7314,6 +7386,7 @@ _FULL_READ = 600.0  # seconds between reads of every job row (between them, only
 # instead of one at a time. A look that found one fires it and waits for nothing: occurrences 20 ms
 # apart each start on time.
 _LOOK_GAP = 0.02
+_TIDY_GAP = 0.05  # seconds between two steps of the store's upkeep, when nothing is due sooner
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
 # as they come due; the others look this long after (seconds), and claim only what is still unclaimed
 # then (the first is frozen, stopping or gone), so that one claim is tried where every process tried.
@@ -7456,6 +7529,7 @@ class _Loop:
         self._watch: _Changes | None = None  #: the store's changes, while serving
         self._wake: asyncio.Future[None] | None = None  #: resolved to end the current sleep
         self._poked = False  #: woken since the look began: look again at once
+        self._tidied = -math.inf  #: when the store's upkeep last made a step (monotonic, real)
         self._written = False  #: the watch saw a write this process may not see committed yet
         self._backing_off = False  #: a look failed: sleep the back-off out whatever the store does
         self._dirty = True  #: read the job rows and runs at the next look (after this process's writes, to stop)
@@ -7510,6 +7584,12 @@ class _Loop:
         if self._wake is not None:
             _resolve(self._wake)
 
+    def _tidy_soon(self) -> None:
+        """A write left the store upkeep (``_Store.tidy``): look again, which does it."""
+        self._poked = True
+        if self._wake is not None:
+            _resolve(self._wake)
+
     def _store_written(self) -> None:
         """Another process (or this one) wrote the store. While backing off after a failure, this
         waits for the back-off: the failing writes themselves touch the file. Changes told within
@@ -7554,7 +7634,7 @@ class _Loop:
         # connection that holds this process's lock), and no change after the join goes unseen.
         self._watch = watch = self._link.backend.changes(loop, self._store_written, self.instance, self.poke)
         watch.vouch_for(lambda: bool(runner.running), runner.lose)
-        runner.started = watch.attempt_started
+        runner.started, runner.untidy = watch.attempt_started, self._tidy_soon
         self._idle = _CLOCK_CHECK if watch.pushed else self._poll
         timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self.heartbeats = heartbeats = _Heartbeats(
@@ -7749,6 +7829,20 @@ class _Loop:
                 if again == 0.0:
                     self._version = -1
         self._wait = min(wait, deferred) if deferred else wait
+        if self._link.untidy and not ready:
+            await self._tidy(agenda.first(), now)
+
+    async def _tidy(self, first: tuple[int, str] | None, now: float) -> None:
+        """One step of the store's upkeep (``_Store.tidy``), ``_TIDY_GAP`` after the last and never
+        just before an occurrence (``first``), so that other writes (this process's, the others')
+        come between the steps; and look again then."""
+        since = time.monotonic() - self._tidied
+        if since < _TIDY_GAP or (first is not None and first[0] / 1000 - now < _TIDY_GAP):
+            self._wait = min(self._wait, max(_TIDY_GAP - since, 0.0) or _TIDY_GAP)
+            return
+        await self._link.call(lambda s: s.tidy())
+        self._tidied = time.monotonic()
+        self._wait = min(self._wait, _TIDY_GAP)
 
     def _clock_unset(self, now_ms: int) -> bool:
         """Whether the clock reads earlier than the newest occurrence recorded (told once)."""

@@ -62,6 +62,22 @@ def execute(store, statement, args=()):
         conn.close()
 
 
+def backlog(store, job, records, error=""):
+    """``records`` old records of ``job`` written into the store's history at once, as a version
+    that kept a larger retention left them (``error``: text each carries)."""
+    execute(
+        store,
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+        "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
+        "SELECT ?, i, 1, 'failed', 'old', i, i + 1, ? FROM n",
+        (records, job, error),
+    )
+
+
+def count_records(store, job):
+    return execute(store, "SELECT count(*) FROM history WHERE job = ?", (job,))[0][0]
+
+
 async def looks_pass(s, looks, count=2, timeout=10.0):
     """Wait until scheduler ``s`` has begun ``count`` more looks (``looks``: from
     ``conftest.counting_looks``), waking it for each: with ``count`` >= 2 at least one whole look

@@ -11,6 +11,8 @@ from conftest import QUIET, counting_looks, faulty, run, wait_for
 from schedulers import (
     HOUR,
     aligned,
+    backlog,
+    count_records,
     execute,
     has,
     last_succeeded,
@@ -527,6 +529,26 @@ def test_history_is_pruned_once_it_holds_a_tenth_more_than_the_retention(db):
             figures = await s.prometheus()
         assert sizes == [*range(1, 23), 20]
         assert 'anarchon_job_runs_total{job="r",status="succeeded"} 23' in figures.splitlines()
+
+    run(main())
+
+
+def test_a_running_scheduler_prunes_a_backlog_past_the_retention_by_itself(store, monkeypatch):
+    """A job whose history holds far more than its retention (lowered, or records left by an
+    older version) is pruned by the running scheduler a bounded batch at a time between its looks
+    (test_store.py: the batches), until the retention is reached."""
+    monkeypatch.setattr(anarchon_lite, "_PRUNE_BATCH", 50)
+    run(make(store).status())  # (the file or schema made)
+    backlog(store, "r", 500)
+
+    async def main():
+        s = make(store, retention=5)
+        s.every("r", "1d", lambda ctx: None, offset=QUIET)
+        async with s:
+            slot = await s.trigger("r")
+            await wait_for(lambda: last_succeeded(s, "r", slot), message="its run")
+            await wait_for(lambda: count_records(store, "r") == 5, message="the backlog pruned")
+            assert (await s.history("r", limit=1))[0].slot == slot
 
     run(main())
 

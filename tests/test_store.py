@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ManualClock, Process, needs_faketime, run, wait_for, wall_clock_ahead
+from schedulers import backlog, count_records
 
 import anarchon_lite as al
 from anarchon_lite import Scheduler, StoreError
@@ -203,6 +204,27 @@ def test_history_is_newest_first_limited_and_pruned_to_the_retention(s):
     assert [r.slot for r in s.history(None, 2)] == [5000, 4000]
     figures = {f.job: f for f in s.figures()}
     assert figures["job"].records["succeeded"] == 4 and figures["job"].records["failed"] == 1  # kept past pruning
+
+
+def test_a_backlog_past_the_retention_is_pruned_a_bounded_batch_at_a_time(store, s, monkeypatch):
+    """An end prunes at most ``_PRUNE_BATCH`` records, the oldest (a backlog of a million held
+    the write lock for seconds), and notes the rest; ``tidy`` prunes it batch by batch, each in a
+    transaction of its own, until the retention is reached. The counters keep every record."""
+    monkeypatch.setattr(al, "_PRUNE_BATCH", 40)
+    s.retention = 10
+    backlog(store, "job", 100)
+    assert not s.untidy
+    claim = claim_due(s, OWNER, slot=10_000)
+    assert s.finish(OWNER, al._End(claim, "succeeded", None, 10_000))
+    assert count_records(store, "job") == 101 - 40 and s.backlog == {"job"} and s.untidy
+    steps = 0
+    while s.backlog and steps < 10:
+        assert s.tidy() is True
+        steps += 1
+    assert steps == 2 and count_records(store, "job") == 10  # 61 -> 21 -> 10
+    assert [r.slot for r in s.history("job", 1)] == [10_000]  # the newest kept
+    figures = {f.job: f for f in s.figures()}["job"]
+    assert figures.records["failed"] == 100 and figures.records["succeeded"] == 1
 
 
 def test_processes_their_declarations_and_forget(process, s):
@@ -512,6 +534,35 @@ def test_a_short_occurrence_writes_at_most_ten_pages_of_1_kib(db):
     page, frames = run(main())
     assert page == 1024
     assert frames <= 10, f"{frames} pages an occurrence"
+
+
+@pytest.mark.sqlite_only  # (the file's free pages: a PostgreSQL server vacuums its own)
+def test_a_pruned_backlog_gives_the_files_free_pages_back(db, monkeypatch):
+    """Once a backlog is pruned, ``tidy`` gives the file's free pages back a bounded number at a
+    time (an incremental vacuum: a new file keeps the page map it needs), until under a quarter of
+    its pages are free; the file is cut short as its WAL is written back. It used to keep every
+    page it ever held."""
+    monkeypatch.setattr(al, "_PRUNE_BATCH", 2_000)
+    monkeypatch.setattr(al, "_SHRINK_PAGES", 500)
+    s = sqlite_store(db)
+    s.retention = 10
+    backlog(db, "job", 5_000, error="x" * 500)
+    full = os.path.getsize(db) + os.path.getsize(db + "-wal")
+    claim = claim_due(s, OWNER, slot=10_000)
+    assert s.finish(OWNER, al._End(claim, "succeeded", None, 10_000))
+    steps = 0
+    while s.tidy() and steps < 100:
+        steps += 1
+    assert not s.untidy and count_records(db, "job") == 10
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
+        pages, free = (conn.execute(f"PRAGMA {p}").fetchone()[0] for p in ("page_count", "freelist_count"))
+    finally:
+        conn.close()
+    assert free * 4 < pages, (free, pages)
+    assert steps > 2  # a step at a time: more than the two batches of records pruned
+    assert os.path.getsize(db) < full / 4, (os.path.getsize(db), full)
 
 
 def has_ended(db, slot):
