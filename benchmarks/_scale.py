@@ -14,6 +14,10 @@ time, whatever COUNT: what an occurrence costs beside how many jobs are declared
 as many processes as the benchmark starts on one file; this one's starts, with how late each was, as
 it sees them at the Unix second UNTIL.
 
+``python _scale.py backlog DB COUNT SECONDS``: COUNT jobs every second (the benchmark has left a
+backlog of records in the first one's history, past the default retention); this one's starts, with
+how late each was, over SECONDS.
+
 ``python _scale.py history DB COUNT PER_JOB``: COUNT hourly jobs with PER_JOB records each in their
 history (written straight into the file, as years of runs would have left them); how long
 ``status()``, ``history(limit=20)`` and ``history(job, limit=20)`` take in a process that only
@@ -125,6 +129,16 @@ async def burst(at: float, until: float) -> dict[str, Any]:
     return {"pid": os.getpid(), "starts": starts}
 
 
+async def backlog(seconds: float) -> dict[str, Any]:
+    scheduler = Scheduler(DB)
+    for i in range(COUNT):
+        scheduler.every(f"job-{i}", "1s", handler)
+    async with scheduler:
+        print("ready", flush=True)
+        await asyncio.sleep(seconds)
+    return {"starts": [late for _, late in starts]}
+
+
 async def timed(calls: dict[str, Any], times: int = 5) -> dict[str, float]:
     """The median duration of each call, in ms."""
     result = {}
@@ -168,6 +182,8 @@ if MODE == "idle":
     result = asyncio.run(idle(sys.argv[4], float(sys.argv[5])))
 elif MODE == "history":
     result = asyncio.run(history(int(sys.argv[4])))
+elif MODE == "backlog":
+    result = asyncio.run(backlog(float(sys.argv[4])))
 elif MODE == "spread":
     result = asyncio.run(spread(float(sys.argv[4]), float(sys.argv[5]) if len(sys.argv) > 5 else 60.0))
 else:

@@ -3,10 +3,11 @@
 Measures heartbeat lateness under seven kinds of load, takeover after ``kill -9`` and hand-over
 after SIGTERM, how late runs start, the cost of an idle scheduler, the bytes written to storage per
 occurrence and per renewal (SQLite), import time and idle memory, and the same small workloads on
-APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean|pgcost|web`` measures one section
+APScheduler 3 and 4 side by side. ``--only takeover|scale|disk|lean|pgcost|web|sweep|neighbour|backlog`` measures one section
 (``pgcost``, with ``--store postgresql`` only: the server's and the schedulers' CPU with 1,000 runs
 running, a busy load of 1,000 jobs on four processes, and an idle process watching another's run;
-``web``: the status page over 10,000 jobs and 1,000,000 records, and 50 pages listening live). Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
+``web``: the status page over 10,000 jobs and 1,000,000 records, and 50 pages listening live;
+``backlog``: a history of 1,000,000 records past the retention pruned while 20 jobs run every second). Prints a table; ``--json`` writes the figures, ``--plot`` a PNG.
 With ``--store postgresql`` every scheduler shares a throwaway PostgreSQL server (tests/pgserver.py,
 or ``$ANARCHON_TEST_POSTGRES``) instead of an SQLite file, and the takeover of an owner whose
 connections freeze (a partition, through tests/tcpproxy.py) is measured too.
@@ -470,7 +471,7 @@ def main() -> int:
     parser.add_argument("--store", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument(
         "--only",
-        choices=("takeover", "scale", "disk", "lean", "pgcost", "web", "sweep", "neighbour"),
+        choices=("takeover", "scale", "disk", "lean", "pgcost", "web", "sweep", "neighbour", "backlog"),
         help="measure only this section",
     )
     args = parser.parse_args()
@@ -744,6 +745,75 @@ def report_lean(section: dict[str, Any]) -> None:
     )
 
 
+def backlog(records: int, seconds: float) -> dict[str, Any]:
+    """A history of ``records`` of one job (the default retention is 1,000: it was raised, or an
+    older version left them), then one process with 20 jobs every second, that job among them:
+    how late their occurrences start while the backlog is pruned, how many were missed, when the
+    job's records were down to the retention and the file down to twice its live data, and the
+    file's size before and after."""
+    with tempfile.TemporaryDirectory(prefix=".backlog-", dir=ROOT) as folder:  # (on disk, not in RAM)
+        db = os.path.join(folder, "jobs.db")
+        prefill(db, "job-0", records)
+        before = os.path.getsize(db)
+        began = time.time()
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "_scale.py"), "backlog", db, "20", str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        pruned_s = shrunk_s = None
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+                while proc.poll() is None and (pruned_s is None or shrunk_s is None):
+                    time.sleep(0.5)
+                    left = conn.execute("SELECT count(*) FROM history WHERE job = 'job-0'").fetchone()[0]
+                    if pruned_s is None and left <= 1_100:
+                        pruned_s = time.time() - began
+                    pages, free, size = (
+                        conn.execute(f"PRAGMA {p}").fetchone()[0] for p in ("page_count", "freelist_count", "page_size")
+                    )
+                    if pruned_s is not None and shrunk_s is None and os.path.getsize(db) <= 2 * (pages - free) * size:
+                        shrunk_s = time.time() - began
+            out = json.loads(proc.communicate(timeout=seconds + 60)[0].strip().splitlines()[-1])
+        finally:
+            proc.kill()
+            proc.wait()
+        with sqlite3.connect(db) as conn:
+            missed = conn.execute(
+                "SELECT count(*) FROM history WHERE status = 'missed' AND slot >= ?", (int(began * 1000),)
+            ).fetchone()[0]
+            pages, free, size = (
+                conn.execute(f"PRAGMA {p}").fetchone()[0] for p in ("page_count", "freelist_count", "page_size")
+            )
+        after = os.path.getsize(db)
+    starts = out["starts"]
+    print("backlog: done", flush=True)
+    return {
+        "records": records,
+        "occurrences": len(starts),
+        "missed": missed,
+        "late_p50_ms": percentile(starts, 50) * 1000,
+        "late_p99_ms": percentile(starts, 99) * 1000,
+        "late_max_ms": max(starts, default=float("nan")) * 1000,
+        "pruned_s": pruned_s,
+        "shrunk_s": shrunk_s,
+        "file_before_mb": before / 1e6,
+        "file_after_mb": after / 1e6,
+        "live_after_mb": (pages - free) * size / 1e6,
+    }
+
+
+def report_backlog(section: dict[str, Any]) -> None:
+    print(
+        f"\nbacklog of {section['records']:,} records: {section['occurrences']} occurrences started "
+        f"p50/p99/max {section['late_p50_ms']:.1f}/{section['late_p99_ms']:.1f}/{section['late_max_ms']:.1f} ms late, "
+        f"{section['missed']} missed; down to the retention after {section['pruned_s']} s, the file to twice "
+        f"its live data after {section['shrunk_s']} s; file {section['file_before_mb']:.1f} -> "
+        f"{section['file_after_mb']:.1f} MB ({section['live_after_mb']:.2f} MB live)"
+    )
+
+
 def prefill(db: str, job: str, records: int) -> None:
     """A file whose history holds ``records`` of ``job`` already (the default retention: a box that
     has run for a while prunes as it goes)."""
@@ -876,6 +946,9 @@ def measure(args: argparse.Namespace) -> int:
                 f" {results['neighbour']['wakeups_per_s']:.2f} wake-ups a second,"
                 f" {results['neighbour']['cpu_s_per_hour']:.2f} CPU-s an hour (goals ≤ 1, ≤ 1)"
             )
+        elif args.only == "backlog":
+            results["backlog"] = backlog(200_000 if quick else 1_000_000, 60.0 if quick else 180.0)
+            report_backlog(results["backlog"])
         else:
             results["scale"] = scale(quick, peers=not args.no_peers)
             report_scale(results["scale"])
