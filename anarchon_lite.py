@@ -2169,9 +2169,9 @@ _SQL_NOT_DECLARED = (  # (``{live}``: the placeholders of the running processes'
     "CASE WHEN EXISTS (SELECT 1 FROM declarations d WHERE d.job = jobs.name AND d.instance IN ({live})) "
     "THEN 0 ELSE 1 END"
 )
-_SQL_ADVANCE = (
+_SQL_ADVANCE = (  # (a paused job's watermark stays: a process that has not read the pause yet claims nothing)
     f"UPDATE jobs SET last_slot = :slot, next_slot = :next_slot, changed = {_SQL_NEXT_CHANGE} "
-    "WHERE name = :job AND last_slot = :expected_last"
+    "WHERE name = :job AND last_slot = :expected_last AND paused = 0"
 )
 _SQL_SET_PAUSED = (
     "UPDATE jobs SET paused = :paused, last_slot = CASE WHEN last_slot > :since THEN last_slot ELSE :since END, "
