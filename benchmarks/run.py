@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable
 
@@ -764,6 +765,9 @@ def backlog(records: int, seconds: float) -> dict[str, Any]:
         pruned_s = shrunk_s = None
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            printed: list[str] = []  # (read meanwhile: its last line is larger than a pipe holds)
+            reader = threading.Thread(target=lambda: printed.append(proc.stdout.read()))  # type: ignore[union-attr]
+            reader.start()
             with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
                 while proc.poll() is None and (pruned_s is None or shrunk_s is None):
                     time.sleep(0.5)
@@ -775,7 +779,8 @@ def backlog(records: int, seconds: float) -> dict[str, Any]:
                     )
                     if pruned_s is not None and shrunk_s is None and os.path.getsize(db) <= 2 * (pages - free) * size:
                         shrunk_s = time.time() - began
-            out = json.loads(proc.communicate(timeout=seconds + 60)[0].strip().splitlines()[-1])
+            reader.join(timeout=seconds + 60)
+            out = json.loads(printed[0].strip().splitlines()[-1])
         finally:
             proc.kill()
             proc.wait()
