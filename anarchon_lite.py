@@ -3687,7 +3687,7 @@ class _SQLiteFile(_SQLStore):
         WAL is written back), while a quarter of its pages or more are free; whether more are left.
         A file made by an older anarchon_lite (``PRAGMA auto_vacuum`` 0) has no page map for it and
         keeps its size: ``PRAGMA auto_vacuum = INCREMENTAL`` then ``VACUUM``, with no scheduler
-        running, shrinks it once and makes it one that shrinks (the README's "The store")."""
+        running, shrinks it once and makes it one that shrinks (docs/database.md, "The file")."""
 
         def work(conn: sqlite3.Connection) -> bool:
             free = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
