@@ -1234,7 +1234,7 @@ class _Claim:
 class _NotClaimed(enum.Enum):
     """What ``claim_due_many`` did for a job when it did not claim a run of it."""
 
-    MOVED = "moved"  # another process moved the job's watermark first: nothing was written
+    MOVED = "moved"  # another process moved the job's watermark first, or paused the job: nothing was written
     RECORDED = "recorded"  # the occurrence was recorded without running: skipped, or missed
 
 
@@ -2260,9 +2260,11 @@ _SQL_TOTALS_TABLE = """CREATE TABLE IF NOT EXISTS totals (
         PRIMARY KEY (job, status)
     )"""
 _SQL_NTH_NEWEST = "SELECT id FROM history WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?"
-_SQL_NTH_OLDEST = "SELECT id FROM history WHERE job = ? ORDER BY id LIMIT 1 OFFSET ?"
-_SQL_PRUNABLE = (  # a job's records up to an id; never an unfinished run's: it still writes its end there
-    "job = ? AND id <= ? AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
+_SQL_UNFINISHED = "EXISTS (SELECT 1 FROM runs r WHERE r.job = history.job AND r.slot = history.slot)"
+# A job's records up to an id; never an unfinished run's: it still writes its end there.
+_SQL_PRUNABLE = f"job = ? AND id <= ? AND NOT {_SQL_UNFINISHED}"
+_SQL_NTH_OLDEST_PRUNABLE = (
+    f"SELECT id FROM history WHERE job = ? AND NOT {_SQL_UNFINISHED} ORDER BY id LIMIT 1 OFFSET ?"
 )
 _SQL_COUNT_PRUNED = (  # the records pruning deletes stay counted: the metrics' counters never go down
     f"INSERT INTO totals (job, status, records) SELECT job, status, count(*) FROM history WHERE {_SQL_PRUNABLE} "
@@ -2737,12 +2739,12 @@ class _SQLStore(_Store):
                 self.backlog -= {job}
             return
         (keep,) = conn.execute(_SQL_NTH_NEWEST, (job, self.retention)).fetchone()
-        batch = conn.execute(_SQL_NTH_OLDEST, (job, _PRUNE_BATCH - 1)).fetchone()
+        batch = conn.execute(_SQL_NTH_OLDEST_PRUNABLE, (job, _PRUNE_BATCH - 1)).fetchone()
         upto = keep if batch is None else min(keep, batch[0])
         conn.execute(_SQL_COUNT_PRUNED, (job, upto))
         pruned = conn.execute(_SQL_PRUNE_HISTORY, (job, upto)).rowcount
         conn.execute(_SQL_PRUNE_CHECKPOINTS, (job,))
-        if upto == keep or not pruned:  # (a batch of unfinished runs' records alone: left as they are)
+        if upto == keep or not pruned:
             self.backlog -= {job}
         else:
             self.backlog |= {job}
@@ -2923,7 +2925,7 @@ _WAL_LIMIT = 1024 * 1024
 # changes about ten (a job row, a run row, a history record, their indexes): 1 KiB each instead of
 # SQLite's 4 KiB default is a quarter of the bytes written to storage (a Raspberry Pi's SD card).
 _PAGE_SIZE = 1024
-_SHRINK_PAGES = 2048  # free pages given back at most in one transaction
+_SHRINK_PAGES = 1024  # free pages given back at most in one transaction (a WAL's worth: _WAL_LIMIT)
 _OPEN_RETRY = 2.0  # seconds an opening that met a transient I/O error is tried again (_SQLiteFile._connect)
 _SQLITE_KEEP_NEWEST, _SQLITE_IS_NEWEST = (sql.format(schema="") for sql in (_SQL_KEEP_NEWEST, _SQL_IS_NEWEST))
 _SQLITE_NEWEST_TRIGGERS = (
@@ -7387,6 +7389,7 @@ _FULL_READ = 600.0  # seconds between reads of every job row (between them, only
 # apart each start on time.
 _LOOK_GAP = 0.02
 _TIDY_GAP = 0.05  # seconds between two steps of the store's upkeep, when nothing is due sooner
+_TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before the next
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
 # as they come due; the others look this long after (seconds), and claim only what is still unclaimed
 # then (the first is frozen, stopping or gone), so that one claim is tried where every process tried.
@@ -7448,7 +7451,8 @@ def _met(store: _Store, known: _Who) -> tuple[_Who, dict[str, frozenset[str]]] |
 def _give_back_freed_memory() -> None:
     """Hand the C heap's free memory back to the system (glibc's ``malloc_trim``): what compiling
     this file from source left free (under ``$PYTHONDONTWRITEBYTECODE`` or from a read-only copy, 18
-    MB of a 43 MB process) stays resident otherwise. Elsewhere (musl, macOS) nothing."""
+    MB of a 43 MB process) stays resident otherwise. The whole process's heap: an application's
+    free memory goes back too (which does it no harm). Elsewhere (musl, macOS) nothing."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -7457,6 +7461,7 @@ def _give_back_freed_memory() -> None:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return
+    trim.argtypes = [ctypes.c_size_t]
     trim(0)
 
 
@@ -7529,7 +7534,8 @@ class _Loop:
         self._watch: _Changes | None = None  #: the store's changes, while serving
         self._wake: asyncio.Future[None] | None = None  #: resolved to end the current sleep
         self._poked = False  #: woken since the look began: look again at once
-        self._tidied = -math.inf  #: when the store's upkeep last made a step (monotonic, real)
+        self._tidied = -math.inf  #: the next step of the store's upkeep comes _TIDY_GAP after this (monotonic, real)
+        self._tidy_failing = False  #: the last step of the store's upkeep failed (said once)
         self._written = False  #: the watch saw a write this process may not see committed yet
         self._backing_off = False  #: a look failed: sleep the back-off out whatever the store does
         self._dirty = True  #: read the job rows and runs at the next look (after this process's writes, to stop)
@@ -7822,26 +7828,40 @@ class _Loop:
             self._dirty = self._dirty or bool(self._moved)  # (read those rows before claiming them again)
             wait = 0.0
         self._watching, self._reread = False, self._poll
+        soonest = math.inf  # (seconds until a run needs a look)
         for run in self._runs or []:
             again = await self._consider(run, now_ms, watch)
             if again is not None:
-                wait = min(wait, again)
+                wait, soonest = min(wait, again), min(soonest, again)
                 if again == 0.0:
                     self._version = -1
         self._wait = min(wait, deferred) if deferred else wait
         if self._link.untidy and not ready:
-            await self._tidy(agenda.first(), now)
+            first = agenda.first()
+            await self._tidy(min(soonest, math.inf if first is None else first[0] / 1000 - now))
 
-    async def _tidy(self, first: tuple[int, str] | None, now: float) -> None:
-        """One step of the store's upkeep (``_Store.tidy``), ``_TIDY_GAP`` after the last and never
-        just before an occurrence (``first``), so that other writes (this process's, the others')
-        come between the steps; and look again then."""
+    async def _tidy(self, due_in: float) -> None:
+        """One step of the store's upkeep (``_Store.tidy``), never within ``_TIDY_GAP`` of what is
+        due (``due_in`` seconds: an occurrence, a run to look at), and after the last step at least
+        ``_TIDY_GAP`` and as long as it took, so that other writes (this process's, the others')
+        come between the steps; then look again. A failed step is tried again ``_TIDY_RETRY`` later
+        (said once while they fail): the looks go on."""
         since = time.monotonic() - self._tidied
-        if since < _TIDY_GAP or (first is not None and first[0] / 1000 - now < _TIDY_GAP):
+        if since < _TIDY_GAP or due_in < _TIDY_GAP:
             self._wait = min(self._wait, max(_TIDY_GAP - since, 0.0) or _TIDY_GAP)
             return
-        await self._link.call(lambda s: s.tidy())
-        self._tidied = time.monotonic()
+        began = time.monotonic()
+        try:
+            await self._link.call(lambda s: s.tidy())
+        except StoreError as exc:
+            if not self._tidy_failing:
+                _log.warning("upkeep of the store failed (tried again every %s s): %s", _TIDY_RETRY, exc)
+            self._tidy_failing = True
+            self._tidied = time.monotonic() + _TIDY_RETRY
+            self._wait = min(self._wait, _TIDY_RETRY + _TIDY_GAP)
+            return
+        self._tidy_failing = False
+        self._tidied = time.monotonic() + (time.monotonic() - began)  # (as long again before the next)
         self._wait = min(self._wait, _TIDY_GAP)
 
     def _clock_unset(self, now_ms: int) -> bool:
@@ -7886,8 +7906,8 @@ class _Loop:
         if met is not None:
             self._agenda = agenda = _Agenda(self._declared.jobs, agenda.rows.values(), self._look)
         agenda.update(jobs)
-        # A claim refused because the watermark moved, while the row read still has the old one: a
-        # writer of an older version moved it. Read those rows by name, or the look would try again.
+        # A claim refused because the watermark moved (not because the job was paused: its row is
+        # read, and left out), while the row read still has the old one: a writer of an older version moved it. Read those rows by name, or the look would try again.
         behind = [
             name for name, last in self._moved.items() if (seen := agenda.rows.get(name)) and seen.last_slot == last
         ]

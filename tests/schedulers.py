@@ -62,15 +62,17 @@ def execute(store, statement, args=()):
         conn.close()
 
 
-def backlog(store, job, records, error=""):
+def backlog(store, job, records, error="", slot=None):
     """``records`` old records of ``job`` written into the store's history at once, as a version
-    that kept a larger retention left them (``error``: text each carries)."""
+    that kept a larger retention left them (``error``: text each carries): of the occurrences 1, 2,
+    ..., or of attempts 2, 3, ... of the occurrence ``slot``."""
+    which = "?, i, 1" if slot is None else "?, ?, i + 1"
     execute(
         store,
         "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
         "INSERT INTO history (job, slot, attempt, status, instance, started_at, finished_at, error) "
-        "SELECT ?, i, 1, 'failed', 'old', i, i + 1, ? FROM n",
-        (records, job, error),
+        f"SELECT {which}, 'failed', 'old', i, i + 1, ? FROM n",
+        (records, job, *([] if slot is None else [slot]), error),
     )
 
 

@@ -27,6 +27,7 @@ from anarchon_lite import (
     ConfigError,
     RunTimeout,
     Scheduler,
+    StoreError,
 )
 
 
@@ -551,6 +552,38 @@ def test_a_running_scheduler_prunes_a_backlog_past_the_retention_by_itself(store
             assert (await s.history("r", limit=1))[0].slot == slot
 
     run(main())
+
+
+def test_a_failing_step_of_upkeep_is_said_once_and_the_looks_go_on(store, monkeypatch, caplog):
+    """A step of the store's upkeep that fails (a backlog's prune on a locked or failing disk) is
+    tried again ``_TIDY_RETRY`` later and said once; the looks go on, without the back-off of a
+    failed look (which made occurrences late and said the store had failed)."""
+    monkeypatch.setattr(anarchon_lite, "_PRUNE_BATCH", 50)
+    monkeypatch.setattr(anarchon_lite, "_TIDY_RETRY", 0.05)
+    run(make(store).status())  # (the file or schema made)
+    backlog(store, "r", 500)
+    tries = []
+
+    def failing(original):
+        tries.append(1)
+        raise StoreError(store, "disk I/O error", transient=True)
+
+    async def main():
+        s = make(store, retention=5, store=faulty(tidy=failing))
+        s.every("r", "1d", lambda ctx: None, offset=QUIET)
+        async with s:
+            slot = await s.trigger("r")
+            await wait_for(lambda: last_succeeded(s, "r", slot), message="its run")
+            await wait_for(lambda: len(tries) >= 3, message="three steps tried")
+            again = await s.trigger("r")
+            await wait_for(lambda: last_succeeded(s, "r", again), message="a run after them")
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    assert [r.getMessage() for r in caplog.records if "upkeep" in r.getMessage()] == [
+        "upkeep of the store failed (tried again every 0.05 s): " + str(StoreError(store, "disk I/O error"))
+    ]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_status_shows_each_jobs_newest_record_whoever_wrote_it(store):

@@ -547,6 +547,25 @@ def test_a_short_occurrence_writes_at_most_ten_pages_of_1_kib(db):
     assert frames <= 10, f"{frames} pages an occurrence"
 
 
+def test_a_backlog_behind_an_unfinished_runs_records_is_pruned_past_them(store, s, monkeypatch):
+    """The records of a run still unfinished are never pruned (it writes its end there); a batch
+    is counted among the others, so that a thousand such records at the oldest end (a run retried
+    for ever, many runs side by side) do not stop pruning for good."""
+    monkeypatch.setattr(al, "_PRUNE_BATCH", 40)
+    s.retention = 10
+    claim_due(s, OWNER, slot=1000)  # running: its record, and 60 older attempts' of the same slot
+    backlog(store, "job", 60, slot=1000)
+    backlog(store, "job", 100)  # slots 1 to 100, newer records
+    skipped = s.claim_due(OWNER, 2000, al._Due("job", 1000, 2000, 3000, [], True, 1, 30))
+    assert skipped is al._NotClaimed.RECORDED  # (skipped: the run is unfinished) and pruned
+    steps = 0
+    while s.tidy() and steps < 10:
+        steps += 1
+    # 162 records: the run's 61 kept, the newest 10 kept (the skipped one and slots 92-100)
+    assert count_records(store, "job") == 162 - 91 and not s.backlog
+    assert {r.slot for r in s.history("job", 1000)} == {1000, 2000, *range(92, 101)}
+
+
 @pytest.mark.sqlite_only  # (the file's free pages: a PostgreSQL server vacuums its own)
 def test_a_pruned_backlog_gives_the_files_free_pages_back(db, monkeypatch):
     """Once a backlog is pruned, ``tidy`` gives the file's free pages back a bounded number at a
