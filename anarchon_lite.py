@@ -7066,6 +7066,10 @@ class _Agenda:
         due = _next_due(job, row)
         return (self._keys[0][0] if due is None else job.schedule.start_of(due)), job.name
 
+    def next_look(self) -> int | None:
+        """When this process next looks at an occurrence (ms; None: nothing is due)."""
+        return self._keys[0][0] if self._keys else None
+
     def ready(self, now_ms: int, wait: float) -> tuple[list[tuple[_Job, _JobRow]], float]:
         """The jobs with an occurrence due by ``now_ms`` (its start: its time and its jitter; each
         with its row), and the seconds until the next occurrence of the others is due, at most ``wait``."""
@@ -7837,8 +7841,8 @@ class _Loop:
                     self._version = -1
         self._wait = min(wait, deferred) if deferred else wait
         if self._link.untidy and not ready:
-            first = agenda.first()
-            await self._tidy(min(soonest, math.inf if first is None else first[0] / 1000 - now))
+            look = agenda.next_look()  # (an occurrence another process looks at first: a second later)
+            await self._tidy(min(soonest, math.inf if look is None else look / 1000 - now))
 
     async def _tidy(self, due_in: float) -> None:
         """One step of the store's upkeep (``_Store.tidy``), never within ``_TIDY_GAP`` of what is
