@@ -7590,12 +7590,12 @@ class _Loop:
             loop.call_soon_threadsafe(self.rejoin)
 
     def _wake_up(self) -> None:
-        self._poked = self._written = True
-        if self._wake is not None:
-            _resolve(self._wake)
+        self._written = True
+        self._look_again()
 
-    def _tidy_soon(self) -> None:
-        """A write left the store upkeep (``_Store.tidy``): look again, which does it."""
+    def _look_again(self) -> None:
+        """End the sleep and look again after it (a write left the store upkeep: ``_Store.tidy``,
+        which a look does)."""
         self._poked = True
         if self._wake is not None:
             _resolve(self._wake)
@@ -7644,7 +7644,7 @@ class _Loop:
         # connection that holds this process's lock), and no change after the join goes unseen.
         self._watch = watch = self._link.backend.changes(loop, self._store_written, self.instance, self.poke)
         watch.vouch_for(lambda: bool(runner.running), runner.lose)
-        runner.started, runner.untidy = watch.attempt_started, self._tidy_soon
+        runner.started, runner.untidy = watch.attempt_started, self._look_again
         self._idle = _CLOCK_CHECK if watch.pushed else self._poll
         timers = _Timers(self._clock, f"anarchon-timers-{self.instance}")
         self.heartbeats = heartbeats = _Heartbeats(

@@ -541,9 +541,14 @@ def test_a_running_scheduler_prunes_a_backlog_past_the_retention_by_itself(store
     monkeypatch.setattr(anarchon_lite, "_PRUNE_BATCH", 50)
     run(make(store).status())  # (the file or schema made)
     backlog(store, "r", 500)
+    steps = []
+
+    def counted(original):
+        steps.append(1)
+        return original()
 
     async def main():
-        s = make(store, retention=5)
+        s = make(store, retention=5, store=faulty(tidy=counted))
         s.every("r", "1d", lambda ctx: None, offset=QUIET)
         async with s:
             slot = await s.trigger("r")
@@ -552,6 +557,7 @@ def test_a_running_scheduler_prunes_a_backlog_past_the_retention_by_itself(store
             assert (await s.history("r", limit=1))[0].slot == slot
 
     run(main())
+    assert len(steps) >= 8  # the end pruned 50 of 501; the loop the other 446, 50 a step
 
 
 def test_a_failing_step_of_upkeep_is_said_once_and_the_looks_go_on(store, monkeypatch, caplog):
