@@ -534,13 +534,18 @@ def test_history_is_pruned_once_it_holds_a_tenth_more_than_the_retention(db):
     run(main())
 
 
+def with_backlog(store, monkeypatch):
+    """The store made, with 500 old records of the job ``r``; 50 pruned at most at once."""
+    monkeypatch.setattr(anarchon_lite, "_PRUNE_BATCH", 50)
+    run(make(store).status())  # (the file or schema made)
+    backlog(store, "r", 500)
+
+
 def test_a_running_scheduler_prunes_a_backlog_past_the_retention_by_itself(store, monkeypatch):
     """A job whose history holds far more than its retention (lowered, or records left by an
     older version) is pruned by the running scheduler a bounded batch at a time between its looks
     (test_store.py: the batches), until the retention is reached."""
-    monkeypatch.setattr(anarchon_lite, "_PRUNE_BATCH", 50)
-    run(make(store).status())  # (the file or schema made)
-    backlog(store, "r", 500)
+    with_backlog(store, monkeypatch)
     steps = []
 
     def counted(original):
@@ -564,10 +569,8 @@ def test_a_failing_step_of_upkeep_is_said_once_and_the_looks_go_on(store, monkey
     """A step of the store's upkeep that fails (a backlog's prune on a locked or failing disk) is
     tried again ``_TIDY_RETRY`` later and said once; the looks go on, without the back-off of a
     failed look (which made occurrences late and said the store had failed)."""
-    monkeypatch.setattr(anarchon_lite, "_PRUNE_BATCH", 50)
     monkeypatch.setattr(anarchon_lite, "_TIDY_RETRY", 0.05)
-    run(make(store).status())  # (the file or schema made)
-    backlog(store, "r", 500)
+    with_backlog(store, monkeypatch)
     tries = []
 
     def failing(original):
