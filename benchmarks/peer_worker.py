@@ -6,7 +6,8 @@ and lateness to OUT. With SECONDS_IDLE > 0 the process instead holds ten hourly 
 With ``long``, one hourly job whose first run is due at ``$PEER_AT`` (epoch seconds) and lasts an hour:
 the run a takeover is measured on. With ``spread COUNT`` (APScheduler 4), COUNT jobs every minute,
 their first runs spread over the minute from ``$PEER_AT``, handlers that return at once (the
-``scale`` benchmark's busy workload). ``aps4pg``: APScheduler 4 on PostgreSQL (DB is a
+``scale`` benchmark's busy workload). With ``sweep COUNT``, COUNT jobs every second, their slots
+spread evenly over the second (the ``sweep`` benchmark's workload); each record names its job. ``aps4pg``: APScheduler 4 on PostgreSQL (DB is a
 ``postgresql://`` URL), with its asyncpg event broker.
 """
 
@@ -22,10 +23,12 @@ KIND, DB, OUT = sys.argv[1:4]
 IDLE = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 LONG = sys.argv[5:6] == ["long"]
 SPREAD = int(sys.argv[6]) if sys.argv[5:6] == ["spread"] else 0  # COUNT jobs every minute, spread over it
+SWEEP = int(sys.argv[6]) if sys.argv[5:6] == ["sweep"] else 0  # COUNT jobs every second, spread over it
 
 
-def record(scheduled: float) -> None:
-    line = json.dumps({"pid": os.getpid(), "slot": round(scheduled, 3), "late": time.time() - scheduled}) + "\n"
+def record(scheduled: float, job: str = "tick") -> None:
+    now = time.time()
+    line = json.dumps({"pid": os.getpid(), "job": job, "slot": round(scheduled, 3), "late": now - scheduled}) + "\n"
     fd = os.open(OUT, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, line.encode())
@@ -37,10 +40,18 @@ def tick_aps3() -> None:
     record(float(int(time.time())))  # the interval starts on a whole second: runs are due on them
 
 
+def offset_aps3(job: str, offset: float) -> None:
+    # (APScheduler 3 does not tell a job its scheduled time: the latest slot of its phase, runs
+    # being less than a second late)
+    now = time.time()
+    record(int(now - offset) + offset, job)
+
+
 async def tick_aps4() -> None:
     from apscheduler import current_job
 
-    record(current_job.get().scheduled_fire_time.timestamp())
+    job = current_job.get()
+    record(job.scheduled_fire_time.timestamp(), job.schedule_id or "tick")
 
 
 async def long_aps4() -> None:
@@ -65,6 +76,19 @@ def run_aps3() -> None:
         if IDLE:
             for i in range(10):
                 scheduler.add_job(hourly, "interval", hours=1, id=f"hourly-{i}", replace_existing=True)
+        elif SWEEP:
+            start = aligned()
+            for i in range(SWEEP):
+                offset = i / SWEEP
+                scheduler.add_job(
+                    offset_aps3,
+                    "interval",
+                    seconds=1,
+                    start_date=start + dt.timedelta(seconds=offset),
+                    args=(f"job-{i}", offset),
+                    id=f"job-{i}",
+                    replace_existing=True,
+                )
         else:
             scheduler.add_job(tick_aps3, "interval", seconds=1, start_date=aligned(), id="tick", replace_existing=True)
         scheduler.start()
@@ -108,6 +132,15 @@ def run_aps4() -> None:
                     await scheduler.add_schedule(
                         tick_aps4,
                         IntervalTrigger(minutes=1, start_time=first),
+                        id=f"job-{i}",
+                        conflict_policy=ConflictPolicy.replace,
+                    )
+            elif SWEEP:
+                start = aligned()
+                for i in range(SWEEP):
+                    await scheduler.add_schedule(
+                        tick_aps4,
+                        IntervalTrigger(seconds=1, start_time=start + dt.timedelta(seconds=i / SWEEP)),
                         id=f"job-{i}",
                         conflict_policy=ConflictPolicy.replace,
                     )

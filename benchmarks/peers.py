@@ -153,6 +153,38 @@ def spread(python: str, count: int, seconds: float) -> dict[str, Any]:
     }
 
 
+def sweep(python: str, kind: str, processes: int, jobs: int, seconds: float) -> dict[str, Any]:
+    """``processes`` processes of a peer declaring ``jobs`` jobs every second, spread over it (the
+    ``sweep`` benchmark's workload, on SQLite): CPU per occurrence that came due (duplicate runs are
+    waste, counted in the CPU and not as occurrences), duplicates, lateness."""
+    with tempfile.TemporaryDirectory() as folder:
+        db, out = sqlite_files(folder, "sweep"), os.path.join(folder, "runs.jsonl")
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            for _ in range(processes):
+                procs.append(start(python, kind, db, out, 0.0, "sweep", str(jobs)))
+            time.sleep(5.0)  # (every process declared and running)
+            cpu0, begin = sum(cpu_seconds(p.pid) for p in procs), time.time()
+            time.sleep(seconds)
+            cpu, end = sum(cpu_seconds(p.pid) for p in procs) - cpu0, time.time()
+        finally:
+            stop(procs)
+        runs = [r for r in records(out) if begin <= r["slot"] < end]
+        seen = [(r["job"], r["slot"]) for r in runs]
+        late = [r["late"] * 1000 for r in runs]
+    expected = round(jobs * (end - begin))
+    return {
+        "processes": processes,
+        "runs": len(runs),
+        "occurrences": len(set(seen)),
+        "expected": expected,
+        "duplicates": len(seen) - len(set(seen)),
+        "cpu_per_occurrence_ms": cpu * 1000 / max(len(set(seen)), 1),
+        "lateness_p50_ms": percentile(late, 50),
+        "lateness_p99_ms": percentile(late, 99),
+    }
+
+
 def idle_cpu(
     pythons: dict[str, tuple[str, str]], seconds: float, database: Database, activity: Any = None
 ) -> dict[str, dict[str, float]]:

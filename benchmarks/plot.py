@@ -91,3 +91,44 @@ def draw_scale(results: dict[str, Any], path: str) -> None:
     figure.suptitle(f"Many jobs, SQLite, one process: {m['date']}, Python {m['python']}, {m['cores']} cores")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+def draw_sweep(results: dict[str, Any], path: str) -> None:
+    """CPU per occurrence against the number of processes sharing one SQLite file (20 jobs every
+    second), this project beside APScheduler 3 and 4 on the same axes; a peer's duplicate runs
+    are marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    section = results["sweep"]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    lines = [("anarchon_lite", section["runs"])]
+    lines += [(name.replace("apscheduler", "APScheduler "), rows) for name, rows in section.get("peers", {}).items()]
+    for name, rows in lines:
+        if not isinstance(rows, list) or not rows:
+            continue
+        counts = [r["processes"] for r in rows]
+        axes.plot(counts, [r["cpu_per_occurrence_ms"] for r in rows], marker="o", label=name)
+        for r in rows:
+            if r["duplicates"]:
+                shown = f"{r['duplicates']:,} duplicates"
+                axes.annotate(
+                    shown,
+                    (r["processes"], r["cpu_per_occurrence_ms"]),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                )
+    axes.axhline(section["two_commits_ms"], color="grey", linestyle=":", label="two bare WAL commits")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("processes sharing one SQLite file (log scale)")
+    axes.set_ylabel("CPU ms per occurrence, all processes (log scale)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    m = results["machine"]
+    figure.suptitle(f"20 jobs every second: {m['date']}, Python {m['python']}, {m['cores']} cores")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)

@@ -89,11 +89,14 @@ class Fleet:
         self.scenario, self.args = scenario, args
         self.db, self.out = location(folder), os.path.join(folder, "events.jsonl")
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.stderr: int | None = None  # where the workers' log goes (None: this process's stderr)
 
     def start(self, count: int = 1, db: str | None = None) -> list[subprocess.Popen[bytes]]:
         """Start ``count`` workers on the fleet's database (or ``db``: the same one by another way)."""
         new = [
-            subprocess.Popen([sys.executable, WORKER, self.scenario, db or self.db, self.out, *self.args])
+            subprocess.Popen(
+                [sys.executable, WORKER, self.scenario, db or self.db, self.out, *self.args], stderr=self.stderr
+            )
             for _ in range(count)
         ]
         self.procs += new
@@ -942,8 +945,12 @@ def measure(args: argparse.Namespace) -> int:
             results["web"] = web(quick)
             report_web(results["web"])
         elif args.only == "sweep":
-            results["sweep"] = sweep(quick)
+            results["sweep"] = sweep(quick, peers=not args.no_peers)
             report_sweep(results["sweep"])
+            if args.plot:
+                from plot import draw_sweep
+
+                draw_sweep(results, args.plot)
         elif args.only == "neighbour":
             results["neighbour"] = neighbour(30.0 if quick else 120.0)
             print(
@@ -1353,23 +1360,30 @@ def commit_floor(commits: int = 2_000) -> float:
 
 def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = False) -> dict[str, Any]:
     """``jobs`` jobs every second, spread over it, handlers that return at once, on ``processes``
-    processes sharing one store: CPU, wake-ups and starts per occurrence (and, with ``statements``,
-    the SQL statements the processes run: counted by a trace callback, which costs a little CPU)."""
+    processes sharing one store: CPU, wake-ups and starts per occurrence, occurrences recorded
+    missed (and, with ``statements``, the SQL statements the processes run, counted by a trace
+    callback, and the system calls of the first process, counted by ``strace -c``: both cost CPU, so
+    that run's CPU is not comparable)."""
     with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
+        fleet.stderr = subprocess.DEVNULL  # (past its ceiling every occurrence missed is a line)
         if statements:
             os.environ["BENCH_STATEMENTS"] = "1"
         try:
             fleet.start(processes)
         finally:
             os.environ.pop("BENCH_STATEMENTS", None)
-        time.sleep(5.0)  # (every process declared and looking)
+        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
         counted = _statements(fleet) if statements else 0
+        tracer = _strace(fleet.procs[0].pid, folder) if statements else None
         cpu0, wakes0, begin = _cpu(fleet.procs), sum(_threads_switches(p.pid) for p in fleet.procs), time.time()
         time.sleep(seconds)
         cpu, end = _cpu(fleet.procs) - cpu0, time.time()
         wakes = sum(_threads_switches(p.pid) for p in fleet.procs) - wakes0
+        syscalls = tracer() if tracer else None
         counted = _statements(fleet) - counted if statements else 0
         fleet.stop()
+        window = f"slot >= {int(begin * 1000)} AND slot < {int(end * 1000)}"
+        missed = query(fleet.db, f"SELECT count(*) FROM history WHERE status = 'missed' AND {window}")[0][0]
         starts = [s for e in fleet.events() if e["event"] == "starts" for s in e["starts"]]
         per_process = sorted(len(e["starts"]) for e in fleet.events() if e["event"] == "starts")
     inside = [s for s in starts if begin <= s[2] < end]
@@ -1385,9 +1399,35 @@ def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = Fals
         "cpu_per_occurrence_ms": cpu / occurrences * 1000,
         "wakeups_per_occurrence": wakes / occurrences,
         "statements_per_occurrence": counted / occurrences if statements else None,
+        "syscalls_per_occurrence": None if syscalls is None else {k: v / occurrences for k, v in syscalls.items()},
+        "missed": missed,
         "lateness_p50_ms": percentile(late, 50),
         "lateness_p99_ms": percentile(late, 99),
     }
+
+
+def _strace(pid: int, folder: str) -> Callable[[], dict[str, int] | None]:
+    """Count the system calls of every thread of ``pid`` from now (``strace -f -c``) until the
+    function returned is called: it returns the count of each call and their ``total`` (None
+    without strace)."""
+    if shutil.which("strace") is None:
+        return lambda: None
+    out = os.path.join(folder, "strace.txt")
+    tracer = subprocess.Popen(["strace", "-f", "-c", "-o", out, "-p", str(pid)], stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # (attached to every thread)
+
+    def counted() -> dict[str, int] | None:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(timeout=30)
+        calls = {}
+        with open(out) as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) >= 5 and fields[3].isdigit():
+                    calls[fields[-1]] = int(fields[3])
+        return calls
+
+    return counted
 
 
 def _statements(fleet: Fleet) -> int:
@@ -1427,7 +1467,7 @@ def neighbour(seconds: float) -> dict[str, Any]:
     return {"seconds": elapsed, "wakeups_per_s": wakes / elapsed, "cpu_s_per_hour": cpu / elapsed * 3600}
 
 
-def sweep(quick: bool) -> dict[str, Any]:
+def sweep(quick: bool, peers: bool = True) -> dict[str, Any]:
     """Issue #26: CPU per occurrence of 20 jobs a second as 1, 2, 4, 8 and 16 processes share the
     store, beside the CPU of two bare WAL commits measured in the same run."""
     counts = (1, 4, 16) if quick else (1, 2, 4, 8, 16)
@@ -1439,6 +1479,43 @@ def sweep(quick: bool) -> dict[str, Any]:
         print(f"sweep {count}: done", flush=True)
     section["apart_20ms"] = sweep_one(1, 50, seconds)  # (50 jobs a second: one every 20 ms)
     section["statements"] = sweep_one(1, 20, seconds, statements=True)
+    section["ceiling"] = ceiling(
+        (2_000, 3_000, 4_000, 6_000) if quick else (1_000, 2_000, 3_000, 4_000, 6_000, 8_000), seconds
+    )
+    section["peers"] = sweep_peers(counts, seconds) if peers else {}
+    return section
+
+
+def ceiling(rates: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
+    """Four processes, ``rate`` short occurrences a second (as many jobs every second, spread over
+    it), each rate in turn until one is not sustained: an occurrence missed or not run, or the
+    start lateness p99 past 1 s."""
+    rows = []
+    for rate in rates:
+        row = sweep_one(4, rate, seconds)
+        row["sustained"] = (
+            row["missed"] == 0 and row["occurrences"] >= row["expected"] - 4 and row["lateness_p99_ms"] <= 1000
+        )
+        rows.append(row)
+        print(f"ceiling {rate}/s: {'sustained' if row['sustained'] else 'not sustained'}", flush=True)
+        if not row["sustained"]:
+            break
+    return rows
+
+
+def sweep_peers(counts: tuple[int, ...], seconds: float) -> dict[str, Any]:
+    """The sweep's workload on APScheduler 3 and 4 (SQLite), the same numbers of processes."""
+    from peers import PEERS, venv_python
+    from peers import sweep as peer_sweep
+
+    section: dict[str, Any] = {}
+    for name, (kind, requirements) in PEERS.items():
+        try:
+            python = venv_python(kind, requirements)
+            section[name] = [peer_sweep(python, kind, count, 20, seconds) for count in counts]
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            section[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"sweep {name}: done", flush=True)
     return section
 
 
@@ -1461,11 +1538,38 @@ def report_sweep(section: dict[str, Any]) -> None:
         f"1 process, SQL statements counted: {r['statements_per_occurrence']:.1f} statements per occurrence"
         f" ({r['cpu_per_occurrence_ms']:.2f} ms CPU each with the counting)"
     )
+    calls = r.get("syscalls_per_occurrence")
+    if calls:
+        top = sorted((k for k in calls if k != "total"), key=lambda k: -calls[k])[:6]
+        print(
+            f"1 process, system calls per occurrence: {calls['total']:.0f} ("
+            + ", ".join(f"{k} {calls[k]:.1f}" for k in top)
+            + ")"
+        )
     r = section["apart_20ms"]
     print(
         f"occurrences 20 ms apart, 1 process: {r['occurrences']} of {r['expected']}, start lateness p50"
         f" {r['lateness_p50_ms']:.1f} / p99 {r['lateness_p99_ms']:.1f} ms, {r['cpu_per_occurrence_ms']:.2f} ms CPU each"
     )
+    print("\nCeiling, 4 processes (sustained: none missed, all run, start p99 <= 1 s)")
+    print("   rate/s  occurrences  missed  CPU ms/occ  late p50/p99 ms  per process")
+    for r in section.get("ceiling", []):
+        print(
+            f"{r['expected'] / section['seconds']:>9.0f}  {r['occurrences']:>5} of {r['expected']:<5}  {r['missed']:>6}"
+            f"  {r['cpu_per_occurrence_ms']:>10.2f}  {r['lateness_p50_ms']:>7.1f} / {r['lateness_p99_ms']:<7.1f}"
+            f"  {r['starts_per_process']}{'' if r['sustained'] else '  (not sustained)'}"
+        )
+    for name, rows in section.get("peers", {}).items():
+        if isinstance(rows, dict):
+            print(f"{name}: {rows['error']}")
+            continue
+        print(f"\n{name}, the same workload")
+        print("processes  occurrences  runs  duplicates  CPU ms/occ  late p50/p99 ms")
+        for r in rows:
+            print(
+                f"{r['processes']:>9}  {r['occurrences']:>5} of {r['expected']:<4}  {r['runs']:>5}  {r['duplicates']:>10}"
+                f"  {r['cpu_per_occurrence_ms']:>10.2f}  {r['lateness_p50_ms']:>6.1f} / {r['lateness_p99_ms']:.1f}"
+            )
 
 
 def report(results: dict[str, Any]) -> None:
