@@ -2194,10 +2194,16 @@ _SQL_TAKE_RUN = (
 _SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
 # A due occurrence's run, made running as its first attempt in one statement (``_SQL_TAKE_RUN``'s
 # parameters); nothing when a run of that very slot was triggered by hand (it is claimed as pending).
+# A due occurrence's run, inserted running, unless that slot has a run (triggered) or the job
+# already has ``:overlap`` other unfinished runs (NULL: no bound): the count and the insert in one
+# statement; a claim tells the two apart only when nothing was inserted.
 _SQL_INSERT_DUE_RUNNING = (
     "INSERT INTO runs (job, slot, attempt, state, not_before, owner, owner_pid, owner_start, owner_ns, boot_id, "
-    "lease_until, lease, started_at) VALUES (:job, :slot, 1, 'running', :now_ms, :owner, :pid, :start, :namespace, "
-    ":boot_id, lease_clock() + :lease, :lease, :now_ms) ON CONFLICT (job, slot) DO NOTHING"
+    "lease_until, lease, started_at) SELECT :job, :slot, 1, 'running', :now_ms, :owner, :pid, :start, :namespace, "
+    ":boot_id, lease_clock() + :lease, :lease, :now_ms "
+    "WHERE CAST(:overlap AS INTEGER) IS NULL "
+    "OR (SELECT count(*) FROM runs WHERE job = :job AND slot != :slot) < CAST(:overlap AS INTEGER) "
+    "ON CONFLICT (job, slot) DO NOTHING"
 )
 
 
@@ -2586,11 +2592,11 @@ class _SQLStore(_Store):
             self._prune(conn, job)
         if not due.run:
             return _NotClaimed.RECORDED
-        if self._full(conn, job, slot, due.overlap):
-            self._skip(conn, job, slot, owner, now_ms)
-            return _NotClaimed.RECORDED
-        if conn.execute(_SQL_INSERT_DUE_RUNNING, self._holder(job, slot, owner, due.lease, now_ms)).rowcount == 0:
-            return _NotClaimed.RECORDED  # a run of that very slot was triggered: it is claimed as pending
+        holder = {**self._holder(job, slot, owner, due.lease, now_ms), "overlap": due.overlap}
+        if conn.execute(_SQL_INSERT_DUE_RUNNING, holder).rowcount == 0:
+            if self._full(conn, job, slot, due.overlap):
+                self._skip(conn, job, slot, owner, now_ms)
+            return _NotClaimed.RECORDED  # (else a run of that very slot was triggered: it is claimed as pending)
         conn.execute(_SQL_RECORD, _record(job, slot, 1, "running", owner, started_at=now_ms))
         return _Claim(job, slot, 1, 0, now_ms)
 
