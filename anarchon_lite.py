@@ -5629,7 +5629,9 @@ class _Watchdog:
 
     A timer thread posts a ping to the loop; a ping unanswered past the threshold means the loop is
     blocked, unless the timer thread itself woke that late (the whole process was frozen or
-    suspended), in which case nothing is reported.
+    suspended), in which case nothing is reported. The timer is planned when the first handler
+    starts and is left to run out when the last ends (it then plans no other): short runs one
+    after another share one timer instead of waking its thread twice each.
     """
 
     def __init__(
@@ -5648,26 +5650,26 @@ class _Watchdog:
         self._sent: float | None = None
         self._warned = False
         self._planned = 0.0
-        self._cancel: Callable[[], None] = _nothing
+        self._pending = False  # a tick is planned (it may find nothing running: then it plans no other)
         self._lock = threading.Lock()
         self.warnings = 0
 
     def acquire(self) -> None:
         with self._lock:
             self._active += 1
-            if self._active == 1:
+            if not self._pending:
                 self._schedule()
 
     def release(self) -> None:
         with self._lock:
             self._active -= 1
             if self._active == 0:
-                self._cancel()
                 self._sent = None
 
     def _schedule(self) -> None:
         self._planned = self._clock.monotonic() + self._threshold / 4
-        self._cancel = self._timers.call_at(self._planned, self._tick)
+        self._pending = True
+        self._timers.call_at(self._planned, self._tick)
 
     def _pong(self) -> None:
         self._sent = None
@@ -5676,6 +5678,7 @@ class _Watchdog:
     def _tick(self) -> None:
         now = self._clock.monotonic()
         with self._lock:
+            self._pending = False
             if self._active == 0:
                 return
             frozen = now - self._planned > self._threshold / 2

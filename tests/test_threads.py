@@ -28,6 +28,34 @@ def db(store):
     return store
 
 
+def test_short_runs_one_after_another_share_one_watchdog_timer():
+    """The blocked-loop watchdog plans a tick when a handler starts and lets it run out after the
+    last ends: 100 short runs one after another plan one tick (each run planned one and cancelled
+    it, waking the timer thread twice a run); the tick finding nothing running plans no other, and
+    the next run plans one again. (No store: the watchdog alone, with a timer thread stand-in.)"""
+    planned = []
+
+    class Timers:
+        def call_at(self, deadline, callback):
+            planned.append(callback)
+            return lambda: None
+
+    loop = asyncio.new_event_loop()
+    try:
+        watchdog = al._Watchdog(loop, Timers(), al.Clock(), 1.0, str)
+        for _ in range(100):
+            watchdog.acquire()
+            watchdog.release()
+        assert len(planned) == 1
+        planned.pop()()  # the tick: nothing runs
+        assert planned == []
+        watchdog.acquire()
+        assert len(planned) == 1
+        watchdog.release()
+    finally:
+        loop.close()
+
+
 def test_blocked_loop_warning_names_the_job(db, caplog):
     async def main():
         s = make(db, blocked_warning=0.3)
