@@ -1595,8 +1595,9 @@ class _Changes(abc.ABC):
     def lost(self) -> str | None:
         """Why the state this process was using is gone, or its claim on its runs may be (the file was
         deleted or replaced; the connection holding this process's lock was lost), as a sentence; or
-        None. The scheduler then aborts its attempts, calls ``reset``, closes every store and opens
-        them again."""
+        None (may be told a little later than it happened: SQLite compares the files every 0.25 s
+        at most). The scheduler then aborts its attempts, calls ``reset``, closes every store and
+        opens them again."""
 
     @abc.abstractmethod
     def owner_gone(self, run: _RunRow) -> str | None:
@@ -3967,6 +3968,7 @@ class _FileWatch:
         self._wal = os.fsencode(path + "-wal")
         self._wal_name = self._prefix + b"-wal"
         self._wal_wd = -1  # the -wal's watch (-1: none yet: the file does not exist)
+        self.renamed = False  #: the database's names were made, renamed or deleted since ``lost`` looked
 
     @classmethod
     def start(cls, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> _FileWatch | None:
@@ -4010,7 +4012,7 @@ class _FileWatch:
                 if wd == self._wal_wd and not name:
                     changed = True
                 elif name.startswith(self._prefix):
-                    changed = True
+                    changed = self.renamed = True
                     renamed = renamed or name == self._wal_name
                 offset += 16 + length
         if renamed:  # (a -wal made anew, or gone: watch what the name holds now)
@@ -4041,6 +4043,10 @@ class _SQLiteChanges(_Changes):
     #: changes are read at most this often by each process (its own writes and an owner's end at
     #: once); a process claims what comes due on its own timers, not on these reads.
     coalesce = 0.5
+    #: The files at the path are compared with those opened at most this often (a busy process
+    #: looks several times an occurrence: three stat calls each), and at the next look when the
+    #: watch saw one of the database's names made, renamed or deleted.
+    _LOST_EVERY = 0.25
 
     def __init__(
         self,
@@ -4061,6 +4067,7 @@ class _SQLiteChanges(_Changes):
         except StoreError:
             pass  # (the scheduler's own connection says why, and tries again)
         self._files = None if poll else _FileWatch.start(path, loop, on_change)
+        self._compared = -math.inf  # (when ``lost`` last compared the files, on time.monotonic)
         self._live = _Liveness(path, loop, on_gone or on_change, shared_group)
         self._live.listen(_this_owner(instance))
 
@@ -4083,6 +4090,12 @@ class _SQLiteChanges(_Changes):
             return -2
 
     def lost(self) -> str | None:
+        now, files = time.monotonic(), self._files
+        if not (files is not None and files.renamed) and now < self._compared + self._LOST_EVERY:
+            return None
+        if files is not None:
+            files.renamed = False
+        self._compared = now
         return self._store.file_changed()
 
     def owner_gone(self, run: _RunRow) -> str | None:

@@ -358,6 +358,36 @@ def _wait(what, condition, timeout=20.0):
         time.sleep(0.02)
 
 
+@pytest.mark.sqlite_only  # (the files of an SQLite database)
+def test_the_files_are_compared_at_most_every_so_often_and_at_once_when_a_name_changes(tmp_path, store):
+    """A busy process looks several times an occurrence; each look compared the files at the path
+    with those opened (three stat calls). Now at most every ``_LOST_EVERY``, and at the next look
+    when the directory watch saw one of the database's names made, renamed or deleted."""
+    db = str(tmp_path / "jobs.db")
+
+    async def main():
+        made = Scheduler(db)
+        await made.status()  # (the file made)
+        made.close()
+        woke = asyncio.Event()
+        changes = al._SQLiteChanges(db, al.Clock(), asyncio.get_running_loop(), woke.set, False, "t")
+        try:
+            changes._LOST_EVERY = 3600.0  # (only a name changing makes it compare again)
+            compared = []
+            file_changed = changes._store.file_changed
+            changes._store.file_changed = lambda: compared.append(1) or file_changed()
+            assert [changes.lost() for _ in range(100)] == [None] * 100
+            assert len(compared) == 1
+            os.unlink(db)
+            await wait_for(woke.is_set, message="the watch to see the name deleted")
+            assert changes.lost() == f"the database file {db} was deleted while in use"
+            assert len(compared) == 2
+        finally:
+            changes.close()
+
+    run(main())
+
+
 @pytest.mark.sqlite_only  # (the -wal and -shm files are SQLite's)
 def test_wal_and_shm_deleted_under_a_running_process_split_nothing(tmp_path, store):
     """``rm jobs.db-wal jobs.db-shm`` under a running process, then a second process on the path:
