@@ -2194,10 +2194,9 @@ _SQL_TAKE_RUN = (
 )
 _SQL_ATTEMPT = "SELECT attempt, failures FROM runs WHERE job = ? AND slot = ?"
 # A due occurrence's run, made running as its first attempt in one statement (``_SQL_TAKE_RUN``'s
-# parameters); nothing when a run of that very slot was triggered by hand (it is claimed as pending).
-# A due occurrence's run, inserted running, unless that slot has a run (triggered) or the job
-# already has ``:overlap`` other unfinished runs (NULL: no bound): the count and the insert in one
-# statement; a claim tells the two apart only when nothing was inserted.
+# parameters and ``:overlap``), unless that slot has a run (triggered by hand: it is claimed as
+# pending) or the job already has ``:overlap`` other unfinished runs (NULL: no bound): the count and
+# the insert in one statement; a claim tells the two apart only when nothing was inserted.
 _SQL_INSERT_DUE_RUNNING = (
     "INSERT INTO runs (job, slot, attempt, state, not_before, owner, owner_pid, owner_start, owner_ns, boot_id, "
     "lease_until, lease, started_at) SELECT :job, :slot, 1, 'running', :now_ms, :owner, :pid, :start, :namespace, "
@@ -3998,6 +3997,19 @@ class _FileWatch:
         self._wal_wd = self._libc.inotify_add_watch(self._fd, self._wal, self._IN_MODIFY)
 
     def _read(self) -> None:
+        if self._take():
+            self._on_change()
+
+    def look(self) -> None:
+        """Read what the watch holds now, held or not, without waiting for the loop to (a look
+        compares the files when one of their names changed, ``renamed``); a change found is told
+        after this look, as the reader would have told it."""
+        if self._take():
+            self._loop.call_soon(self._on_change)
+
+    def _take(self) -> bool:
+        """Read the events waiting; whether the database changed (``renamed`` set when one of its
+        names did; the -wal watched anew when its name did)."""
         changed = renamed = False
         while True:
             try:
@@ -4017,8 +4029,7 @@ class _FileWatch:
                 offset += 16 + length
         if renamed:  # (a -wal made anew, or gone: watch what the name holds now)
             self._watch_wal()
-        if changed:
-            self._on_change()
+        return changed
 
     def hold(self) -> None:
         """Stop waking the loop; what happens meanwhile is told at ``release``."""
@@ -4044,8 +4055,8 @@ class _SQLiteChanges(_Changes):
     #: once); a process claims what comes due on its own timers, not on these reads.
     coalesce = 0.5
     #: The files at the path are compared with those opened at most this often (a busy process
-    #: looks several times an occurrence: three stat calls each), and at the next look when the
-    #: watch saw one of the database's names made, renamed or deleted.
+    #: looks several times an occurrence: three stat calls each), and at once when the watch
+    #: holds news of one of the database's names made, renamed or deleted (each look reads it).
     _LOST_EVERY = 0.25
 
     def __init__(
@@ -4091,6 +4102,8 @@ class _SQLiteChanges(_Changes):
 
     def lost(self) -> str | None:
         now, files = time.monotonic(), self._files
+        if files is not None:
+            files.look()  # (one read, nothing waiting most times: the names' news even while held)
         if not (files is not None and files.renamed) and now < self._compared + self._LOST_EVERY:
             return None
         if files is not None:

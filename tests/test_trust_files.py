@@ -361,8 +361,10 @@ def _wait(what, condition, timeout=20.0):
 @pytest.mark.sqlite_only  # (the files of an SQLite database)
 def test_the_files_are_compared_at_most_every_so_often_and_at_once_when_a_name_changes(tmp_path, store):
     """A busy process looks several times an occurrence; each look compared the files at the path
-    with those opened (three stat calls). Now at most every ``_LOST_EVERY``, and at the next look
-    when the directory watch saw one of the database's names made, renamed or deleted."""
+    with those opened (three stat calls). Now at most every ``_LOST_EVERY``, and at once when the
+    directory watch holds news of one of the database's names made, renamed or deleted: also while
+    the watch is held (changes told within 0.5 s of a read wait for it), when the loop does not
+    read it, and the look that follows a release comes before the loop has."""
     db = str(tmp_path / "jobs.db")
 
     async def main():
@@ -378,10 +380,12 @@ def test_the_files_are_compared_at_most_every_so_often_and_at_once_when_a_name_c
             changes._store.file_changed = lambda: compared.append(1) or file_changed()
             assert [changes.lost() for _ in range(100)] == [None] * 100
             assert len(compared) == 1
+            changes.hold()
             os.unlink(db)
-            await wait_for(woke.is_set, message="the watch to see the name deleted")
             assert changes.lost() == f"the database file {db} was deleted while in use"
             assert len(compared) == 2
+            changes.release()
+            await wait_for(woke.is_set, message="the change told after the look, as the watch would")
         finally:
             changes.close()
 
