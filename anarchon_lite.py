@@ -1595,8 +1595,8 @@ class _Changes(abc.ABC):
     def lost(self) -> str | None:
         """Why the state this process was using is gone, or its claim on its runs may be (the file was
         deleted or replaced; the connection holding this process's lock was lost), as a sentence; or
-        None (may be told a little later than it happened: SQLite compares the files every 0.25 s
-        at most). The scheduler then aborts its attempts, calls ``reset``, closes every store and
+        None (SQLite compares the files at once when its watch saw one of their names change, else
+        every 0.25 s at most). The scheduler then aborts its attempts, calls ``reset``, closes every store and
         opens them again."""
 
     @abc.abstractmethod
