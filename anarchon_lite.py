@@ -1596,8 +1596,8 @@ class _Changes(abc.ABC):
         """Why the state this process was using is gone, or its claim on its runs may be (the file was
         deleted or replaced; the connection holding this process's lock was lost), as a sentence; or
         None (SQLite compares the files at once when its watch saw one of their names change, else
-        every 0.25 s at most). The scheduler then aborts its attempts, calls ``reset``, closes every store and
-        opens them again."""
+        every 0.25 s at most). The scheduler then aborts its attempts, calls ``reset``, closes every
+        store and opens them again."""
 
     @abc.abstractmethod
     def owner_gone(self, run: _RunRow) -> str | None:
@@ -2184,7 +2184,7 @@ _SQL_RUN_COLUMNS = (
 )
 _SQL_RUN = f"SELECT {_SQL_RUN_COLUMNS} FROM runs WHERE job = ? AND slot = ?"
 _SQL_RUNS = f"SELECT {_SQL_RUN_COLUMNS}, lease_until - lease_clock() FROM runs ORDER BY job, slot"
-_SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = ? AND slot != ?"  # (the job's other unfinished runs)
+_SQL_JOB_BUSY = "SELECT count(*) FROM runs WHERE job = :job AND slot != :slot"  # (the job's other unfinished runs)
 _SQL_INSERT_RUN = "INSERT INTO runs (job, slot, attempt, state, not_before) VALUES (?, ?, 0, 'pending', ?)"
 _SQL_TAKE_RUN = (
     "UPDATE runs SET state = 'running', attempt = attempt + 1, owner = :owner, owner_pid = :pid, "
@@ -2202,7 +2202,7 @@ _SQL_INSERT_DUE_RUNNING = (
     "lease_until, lease, started_at) SELECT :job, :slot, 1, 'running', :now_ms, :owner, :pid, :start, :namespace, "
     ":boot_id, lease_clock() + :lease, :lease, :now_ms "
     "WHERE CAST(:overlap AS INTEGER) IS NULL "
-    "OR (SELECT count(*) FROM runs WHERE job = :job AND slot != :slot) < CAST(:overlap AS INTEGER) "
+    f"OR ({_SQL_JOB_BUSY}) < CAST(:overlap AS INTEGER) "
     "ON CONFLICT (job, slot) DO NOTHING"
 )
 
@@ -2629,7 +2629,10 @@ class _SQLStore(_Store):
         """Whether ``overlap`` runs of ``job`` other than ``slot``'s are unfinished (pending, running,
         waiting for a retry or a takeover), read in the claim's own transaction: the store's write
         lock (SQLite's, PostgreSQL's write turn) keeps the count true until the claim commits."""
-        return overlap is not None and int(conn.execute(_SQL_JOB_BUSY, (job, slot)).fetchone()[0]) >= overlap
+        return (
+            overlap is not None
+            and int(conn.execute(_SQL_JOB_BUSY, {"job": job, "slot": slot}).fetchone()[0]) >= overlap
+        )
 
     def claim(
         self,
@@ -3967,7 +3970,7 @@ class _FileWatch:
         self._wal = os.fsencode(path + "-wal")
         self._wal_name = self._prefix + b"-wal"
         self._wal_wd = -1  # the -wal's watch (-1: none yet: the file does not exist)
-        self.renamed = False  #: the database's names were made, renamed or deleted since ``lost`` looked
+        self._renamed = False  # the database's names were made, renamed or deleted since the last ``look``
 
     @classmethod
     def start(cls, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> _FileWatch | None:
@@ -4000,15 +4003,17 @@ class _FileWatch:
         if self._take():
             self._on_change()
 
-    def look(self) -> None:
-        """Read what the watch holds now, held or not, without waiting for the loop to (a look
-        compares the files when one of their names changed, ``renamed``); a change found is told
-        after this look, as the reader would have told it."""
+    def look(self) -> bool:
+        """Read what the watch holds now, held or not, without waiting for the loop to; whether
+        one of the database's names was made, renamed or deleted since the last look (then the
+        files are compared). A change found is told after this look, as the reader would have."""
         if self._take():
             self._loop.call_soon(self._on_change)
+        renamed, self._renamed = self._renamed, False
+        return renamed
 
     def _take(self) -> bool:
-        """Read the events waiting; whether the database changed (``renamed`` set when one of its
+        """Read the events waiting; whether the database changed (noted for ``look`` when one of its
         names did; the -wal watched anew when its name did)."""
         changed = renamed = False
         while True:
@@ -4024,7 +4029,7 @@ class _FileWatch:
                 if wd == self._wal_wd and not name:
                     changed = True
                 elif name.startswith(self._prefix):
-                    changed = self.renamed = True
+                    changed = self._renamed = True
                     renamed = renamed or name == self._wal_name
                 offset += 16 + length
         if renamed:  # (a -wal made anew, or gone: watch what the name holds now)
@@ -4101,13 +4106,11 @@ class _SQLiteChanges(_Changes):
             return -2
 
     def lost(self) -> str | None:
-        now, files = time.monotonic(), self._files
-        if files is not None:
-            files.look()  # (one read, nothing waiting most times: the names' news even while held)
-        if not (files is not None and files.renamed) and now < self._compared + self._LOST_EVERY:
+        now = time.monotonic()
+        # (one read, nothing waiting most times: the names' news even while the watch is held)
+        renamed = self._files is not None and self._files.look()
+        if not renamed and now < self._compared + self._LOST_EVERY:
             return None
-        if files is not None:
-            files.renamed = False
         self._compared = now
         return self._store.file_changed()
 
@@ -7946,7 +7949,8 @@ class _Loop:
             self._agenda = agenda = _Agenda(self._declared.jobs, agenda.rows.values(), self._look)
         agenda.update(jobs)
         # A claim refused because the watermark moved (not because the job was paused: its row is
-        # read, and left out), while the row read still has the old one: a writer of an older version moved it. Read those rows by name, or the look would try again.
+        # read, and left out), while the row read still has the old one: a writer of an older
+        # version moved it. Read those rows by name, or the look would try again.
         behind = [
             name for name, last in self._moved.items() if (seen := agenda.rows.get(name)) and seen.last_slot == last
         ]

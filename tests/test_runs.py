@@ -541,6 +541,20 @@ def with_backlog(store, monkeypatch):
     backlog(store, "r", 500)
 
 
+def backlogged(store, tidy):
+    """A scheduler of ``r`` (retention 5) whose store's upkeep steps go through ``tidy``."""
+    s = make(store, retention=5, store=faulty(tidy=tidy))
+    s.every("r", "1d", lambda ctx: None, offset=QUIET)
+    return s
+
+
+async def ran(s):
+    """Trigger ``r`` and wait for its run to succeed; its slot."""
+    slot = await s.trigger("r")
+    await wait_for(lambda: last_succeeded(s, "r", slot), message="its run")
+    return slot
+
+
 def test_a_running_scheduler_prunes_a_backlog_past_the_retention_by_itself(store, monkeypatch):
     """A job whose history holds far more than its retention (lowered, or records left by an
     older version) is pruned by the running scheduler a bounded batch at a time between its looks
@@ -553,11 +567,9 @@ def test_a_running_scheduler_prunes_a_backlog_past_the_retention_by_itself(store
         return original()
 
     async def main():
-        s = make(store, retention=5, store=faulty(tidy=counted))
-        s.every("r", "1d", lambda ctx: None, offset=QUIET)
+        s = backlogged(store, counted)
         async with s:
-            slot = await s.trigger("r")
-            await wait_for(lambda: last_succeeded(s, "r", slot), message="its run")
+            slot = await ran(s)
             await wait_for(lambda: count_records(store, "r") == 5, message="the backlog pruned")
             assert (await s.history("r", limit=1))[0].slot == slot
 
@@ -578,14 +590,11 @@ def test_a_failing_step_of_upkeep_is_said_once_and_the_looks_go_on(store, monkey
         raise StoreError(store, "disk I/O error", transient=True)
 
     async def main():
-        s = make(store, retention=5, store=faulty(tidy=failing))
-        s.every("r", "1d", lambda ctx: None, offset=QUIET)
+        s = backlogged(store, failing)
         async with s:
-            slot = await s.trigger("r")
-            await wait_for(lambda: last_succeeded(s, "r", slot), message="its run")
+            await ran(s)
             await wait_for(lambda: len(tries) >= 3, message="three steps tried")
-            again = await s.trigger("r")
-            await wait_for(lambda: last_succeeded(s, "r", again), message="a run after them")
+            await ran(s)  # (a run after them)
 
     with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
         run(main())
