@@ -373,7 +373,8 @@ def test_in_a_browser_jobs_a_live_run_its_progress_an_error_and_markup_that_stay
     from selenium.webdriver.common.by import By
 
     cli(app, "trigger", "evil")
-    wait_until(lambda: ended(app, "evil"), what="the evil run's end")
+    # (tick's first run as well: its row shows the time of its last run, "-" until one)
+    wait_until(lambda: ended(app, "evil") and ended(app, "tick"), what="the evil run's and a tick's end")
     browser.get(web.url)
     names = {row.get_attribute("data-job") for row in browser.find_elements(By.CSS_SELECTOR, "tr[data-job]")}
     assert names == JOBS
