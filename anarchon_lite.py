@@ -60,7 +60,6 @@ import dataclasses
 import datetime as _dt
 import enum
 import functools
-import hashlib
 import heapq
 import importlib
 import inspect
@@ -714,10 +713,34 @@ class _Jittered(_Schedule):
         return slot + _jitter_ms(self._salt, slot, most)
 
 
+def _hashes() -> tuple[Any, Any]:
+    """SHA-256 and BLAKE2b as Python builds them in (``hashlib``'s own, without the OpenSSL
+    binding that ``hashlib`` loads as well: 0.7 MB of a running scheduler's memory); ``hashlib``'s
+    where a build has no such module. The digests are the same."""
+    try:
+        from _blake2 import blake2b
+    except ImportError:
+        from hashlib import blake2b
+    for name in ("_sha2", "_sha256"):  # (3.12 and later; before)
+        with contextlib.suppress(ImportError):
+            return importlib.import_module(name).sha256, blake2b
+    from hashlib import sha256
+
+    return sha256, blake2b
+
+
+_sha256, _blake2b = _hashes()
+
+
+def _digest(text: str) -> str:
+    """32 hex digits of the SHA-256 of ``text``: a name made of parts (a file's, a process's)."""
+    return str(_sha256(text.encode()).hexdigest()[:32])
+
+
 def _jitter_ms(salt: bytes, slot: int, most: int) -> int:
     """A delay in [0, ``most``) milliseconds, the same on every process for the same job (``salt``)
     and slot: a hash, not a random number, which each process would draw differently."""
-    digest = hashlib.blake2b(salt + b"\0" + str(slot).encode(), digest_size=8).digest()
+    digest = _blake2b(salt + b"\0" + str(slot).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") * most >> 64
 
 
@@ -1904,7 +1927,7 @@ def _live_name(owner: _Owner) -> str:
     """The name of ``owner``'s liveness socket: one scheduler instance of one process (a reused pid,
     or the same instance name in a later process, names another)."""
     key = "\0".join(str(part) for part in (owner.instance, owner.pid, owner.start, owner.namespace, owner.boot_id))
-    return "p-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    return "p-" + _digest(key)
 
 
 @dataclasses.dataclass
@@ -3156,7 +3179,7 @@ class _Board:
         """The board of the database file ``identity`` (device, inode) in ``directory``, if any."""
         if not directory:
             return None
-        key = hashlib.sha256(f"{identity[0]}:{identity[1]}:{boot_id}".encode()).hexdigest()[:32]
+        key = _digest(f"{identity[0]}:{identity[1]}:{boot_id}")
         return cls(os.path.join(os.path.realpath(directory), f"anarchon_lite-{key}.board"), shared_group)
 
     def _connect(self, create: bool) -> sqlite3.Connection | None:
@@ -9027,6 +9050,7 @@ class _PageServer:
 
     def _secret(self, purpose: bytes) -> str:
         """A value made of the token for one purpose (the session cookie, the forms)."""
+        import hashlib
         import hmac
 
         assert self._token is not None
@@ -9964,7 +9988,7 @@ def _run_marker(job: str, slot: int, nonce: str) -> str:
     """The value of ``ANARCHON_RUN`` in the environment of an attempt's command: bound to the run
     (job and slot) and to the attempt's random nonce kept in its process-group record, so that a
     record copied from another run or written by hand names no process this scheduler started."""
-    return hashlib.sha256(f"{job}\0{slot}\0{nonce}".encode()).hexdigest()[:32]
+    return _digest(f"{job}\0{slot}\0{nonce}")
 
 
 def _marked(marker: str) -> dict[int, int]:
@@ -10251,6 +10275,8 @@ def _crontab_entry(line: str, number: int, path: str, env: dict[str, str], optio
     problem = _command_problem(command, env) or _user_column(command, env) or _percent_problem(command)
     if problem:
         raise CrontabError(path, number, problem)
+    import hashlib  # (a crontab's names only: not loaded by a scheduler of the library)
+
     digest = hashlib.sha1(f"{spec}\n{command}".encode()).hexdigest()[:8]
     command = command.replace("\\%", "%")
     name = str(options.pop("name", None) or f"{kind}-{digest}")

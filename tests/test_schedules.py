@@ -393,6 +393,46 @@ def test_only_rrule_schedules_need_dateutil_and_nothing_imports_it_before(tmp_pa
         assert lines[2] == "5"
 
 
+_WITHOUT_HASHLIB = """
+import asyncio, sys
+import anarchon_lite
+scheduler = anarchon_lite.Scheduler(sys.argv[1])
+ran = []
+scheduler.every("a", "200ms", lambda ctx: ran.append(ctx.slot), jitter="100ms")
+async def main():
+    async with scheduler:
+        while len(ran) < 2:
+            await asyncio.sleep(0.01)
+asyncio.run(main())
+print(sorted(name for name in sys.modules if name in ("hashlib", "_hashlib")))
+print(anarchon_lite._digest("a\\0b"), anarchon_lite._blake2b(b"a", digest_size=8).hexdigest())
+"""
+
+
+def test_a_running_scheduler_hashes_without_loading_hashlib_and_its_digests_are_hashlibs(tmp_path):
+    """Jitter, liveness names and the lease board's name are hashed with the hashes Python builds in,
+    not ``hashlib``, whose OpenSSL binding costs a process 0.7 MB; the names stay what they were.
+    (SQLite only: psycopg loads that binding itself.)"""
+    import hashlib
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_HASHLIB, str(tmp_path / "jobs.db")],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    loaded, digests = done.stdout.splitlines()
+    assert loaded == "[]"
+    assert digests.split() == [
+        hashlib.sha256(b"a\0b").hexdigest()[:32],
+        hashlib.blake2b(b"a", digest_size=8).hexdigest(),
+    ]
+
+
 def test_jitter_delays_each_start_alike_everywhere_within_its_bound_and_before_the_next_occurrence():
     """A jittered start is the slot plus a delay in [0, jitter) that depends only on the job's name
     and the slot (two declarations, as in two processes, agree), spread across the range, and
