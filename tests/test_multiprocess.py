@@ -401,8 +401,11 @@ def wait_for_line(stream, text, timeout=20.0):
 
 
 ASYNC_WITH_APP = """
-import asyncio, logging, sys, time
+import asyncio, logging, signal, sys, time
 sys.path.insert(0, sys.argv[2])
+# As started from a terminal: a shell's background job (a test run started with &) ignores SIGINT,
+# and Python then leaves it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from anarchon_lite import Scheduler
 
 logging.basicConfig(level=logging.INFO)
