@@ -7634,7 +7634,7 @@ class _Loop:
         self._read_at = 0.0  #: when ``_runs`` was read (monotonic): their ``lease_left`` is as of then
         self._watching = False  #: another process's run is watched with ``owner_gone`` as of that read
         self._reread = 0.0  #: then read again this long after that read (seconds)
-        self._read_real = 0.0  #: the same read on the real monotonic clock (what coalescing reads costs)
+        self._read_real = 0.0  #: when the last read began (real monotonic): what is told since waits ``coalesce``
         self._failing: str | None = None  #: the error of the last look, while looks fail
         self._logged = 0.0  #: when it was last logged (monotonic)
         self._peers: dict[str, frozenset[str]] = {}  #: the running processes and what they declare, as last read
@@ -7875,8 +7875,9 @@ class _Loop:
         if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty):
             await self._read_as_of(version)
         elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
+            self._read_real = time.monotonic()
             self._runs = await self._link.call(lambda s: s.runs())
-            self._read_at, self._read_real = self._clock.monotonic(), time.monotonic()
+            self._read_at = self._clock.monotonic()
         if self._clock_unset(now_ms):
             self._wait = self._idle
             return
@@ -7885,7 +7886,11 @@ class _Loop:
         assert agenda is not None, "made by the first read"
         if not agenda.current(jobs):
             self._agenda = agenda = _Agenda(jobs, agenda.rows.values(), self._look)
-        limit = min(self._idle, self._recheck or self._idle)
+        recheck = self._recheck
+        if recheck and not self._dirty and self._runs is not None:
+            # (a change seen sooner than ``coalesce`` after the last read would wait for it: look then)
+            recheck = max(recheck, self._read_real + watch.coalesce - time.monotonic())
+        limit = min(self._idle, recheck or self._idle)
         ready, wait = agenda.ready(now_ms, limit)
         if ready and deferred and not all(self._is_first(job.name) for job, _ in ready):
             # A second look acts on what the jobs' first processes left unclaimed: as the store has it.
@@ -7963,10 +7968,11 @@ class _Loop:
         since = -1 if agenda is None or whole else agenda.seen
         peers = self._clock.monotonic() >= self._peers_at + _PEERS_EVERY
         known = self._peers_key
+        self._read_real = time.monotonic()
         jobs, runs, newest, met = await self._link.call(
             lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None)
         )
-        self._runs, self._read_at, self._read_real = runs, self._clock.monotonic(), time.monotonic()
+        self._runs, self._read_at = runs, self._clock.monotonic()
         if peers:
             self._peers_at = self._read_at
         if met is not None:  # (the processes changed: when each job is looked at, too)

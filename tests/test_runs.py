@@ -977,3 +977,48 @@ def test_an_on_failure_that_raises_is_logged_and_the_scheduler_carries_on(db, ca
         run(main())
     said = [r.message for r in caplog.records if "on_failure raised" in r.message]
     assert any("the mail server is down" in m for m in said) and any("no route to host" in m for m in said)
+
+
+@pytest.mark.sqlite_only  # (the file watch tells a write before its commit is visible; PostgreSQL's notices come after)
+def test_a_file_written_all_the_time_is_looked_at_about_once_a_read(db):
+    """While other processes commit all the time, a process reads their changes together once the
+    store's ``coalesce`` has passed since its last read, and looks little in between: a write told
+    right after a read used to start looks 5, 25 and 125 ms later, each finding a change it would
+    not read yet (a third of a busy fleet's looks)."""
+    import sqlite3
+
+    reads = []
+
+    def runs(original):
+        reads.append(1)
+        return original()
+
+    counted, looks = counting_looks(runs=runs)
+    stop = threading.Event()
+
+    def writer():  # another process's commits, as far as the scheduler can tell (a checkpoint of no run)
+        conn = sqlite3.connect(db, isolation_level=None)
+        try:
+            while not stop.wait(0.005):
+                conn.execute("INSERT OR REPLACE INTO checkpoints VALUES ('quiet', 0, '0', ?, 1)", (time.time_ns(),))
+        finally:
+            conn.close()
+
+    async def main():
+        s = Scheduler(db, store=counted)
+        s.every("quiet", "24h", lambda ctx: None, offset=QUIET)
+        async with s:
+            await wait_for(lambda: s._loop.ready is not None and s._loop.ready.is_set(), message="ready")
+            thread = threading.Thread(target=writer)
+            thread.start()
+            try:
+                await wait_for(lambda: len(reads) >= 3, message="the first reads of the writes")
+                first = len(reads), len(looks)
+                await wait_for(lambda: len(reads) >= first[0] + 12, timeout=30, message="twelve more reads")
+                counted_reads, counted_looks = len(reads) - first[0], len(looks) - first[1]
+            finally:
+                stop.set()
+                await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        assert counted_looks <= 1.5 * counted_reads, f"{counted_looks} looks for {counted_reads} reads"
+
+    run(main(), timeout=60)
