@@ -7905,7 +7905,9 @@ class _Loop:
             self._moved = await self._fire(ready, now_ms)
             self._version = -1
             self._dirty = self._dirty or bool(self._moved)  # (read those rows before claiming them again)
-            wait = 0.0
+            # The next look when the agenda says (the rows claimed are moved in it), at once if a claim
+            # found its row moved (read first) or what came due during the claims
+            wait = 0.0 if self._moved else agenda.ready(_ms(self._clock.time()), limit)[1]
         self._watching, self._reread = False, self._poll
         soonest = math.inf  # (seconds until a run needs a look)
         for run in self._runs or []:

@@ -1022,3 +1022,24 @@ def test_a_file_written_all_the_time_is_looked_at_about_once_a_read(db):
         assert counted_looks <= 1.5 * counted_reads, f"{counted_looks} looks for {counted_reads} reads"
 
     run(main(), timeout=60)
+
+
+@pytest.mark.sqlite_only  # (the file watch tells a write before its commit is visible; PostgreSQL's notices come after)
+def test_a_process_alone_looks_about_once_an_occurrence(db):
+    """A process that claims an occurrence looks next when the agenda says (the next occurrence, a
+    run to look at, the coalesced read of the changes): it used to look again at once after every
+    claim, finding nothing."""
+    ran = []
+    counted, looks = counting_looks()
+
+    async def main():
+        s = Scheduler(db, store=counted)
+        s.every("often", "100ms", lambda ctx: ran.append(ctx.slot))
+        async with s:
+            await wait_for(lambda: len(ran) >= 3, message="the first runs")
+            first = len(ran), len(looks)
+            await wait_for(lambda: len(ran) >= first[0] + 30, timeout=30, message="thirty more runs")
+            runs, counted_looks = len(ran) - first[0], len(looks) - first[1]
+        assert counted_looks <= 1.6 * runs, f"{counted_looks} looks for {runs} runs"
+
+    run(main(), timeout=60)
