@@ -1841,11 +1841,21 @@ def _create_file(path: str, shared_group: bool) -> bool:
 
 
 def _read_text(path: str) -> str | None:
+    """A small file of ``/proc``, whatever its bytes (a process names itself as it likes), or None
+    if it cannot be read. (``os.read``: half the cost of ``open``, read for every peer every 2 s.)"""
     try:
-        with open(path) as handle:
-            return handle.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        parts = []
+        while part := os.read(fd, 4096):
+            parts.append(part)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(parts).decode(errors="replace").strip()
 
 
 def _process_start(pid: int) -> tuple[str, int] | None:

@@ -308,3 +308,29 @@ def test_a_command_whose_run_is_lost_is_killed_at_once(tmp_path, daemons, pg_ser
     first = [int(line.split()[1]) for line in lines(out) if line.startswith("1 ")]
     second = [int(line.split()[1]) for line in lines(out) if line.startswith("2 ")]
     assert max(first) < min(second), f"both worked for {(max(first) - min(second)) / 1e9:.3f} s"
+
+
+def test_a_process_whose_name_is_not_utf8_is_judged_alive_then_gone():
+    """A process names itself as it likes (``/proc/PID/comm``, any bytes): judging it alive or gone
+    (the owner of a run, a peer of the file, a reused pid) reads its ``/proc/PID/stat`` whatever
+    they are. It used to raise UnicodeDecodeError: a scheduler whose file named such a live pid (a
+    peer's row left by a crash, its pid reused) could not even join. (No store: the operating
+    system's answer.)"""
+    import anarchon_lite as al
+
+    code = "open('/proc/self/comm', 'wb').write(b'\\xff\\xfe) odd'); print('named', flush=True); input()"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "named\n"
+        with open(f"/proc/{proc.pid}/stat", "rb") as handle:
+            assert b"\xff\xfe) odd" in handle.read()
+        state = al._process_start(proc.pid)
+        assert state is not None and state[0] in "RS"
+        me = al._this_owner("")
+        owner = al.dataclasses.replace(me, instance="odd", pid=proc.pid, start=state[1])
+        assert al._owner_gone(owner, me) is None
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert al._owner_gone(owner, me) == f"owner process {proc.pid} exited"
