@@ -8449,6 +8449,9 @@ class Scheduler(_Declaring):
         self._main: asyncio.Task[None] | None = None  #: the task that serves, while it does
         self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
         self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
+        #: what the last ``status()`` made of each job without unfinished runs, to be given again
+        #: while its row, its declaration and its next start stay as they were (``_status_of``)
+        self._shown: dict[str, tuple[_JobStatusRow, _Job | None, JobStatus, int | None]] = {}
         if notify:
             self.notify_systemd()
         if metrics_file is not None:
@@ -8562,18 +8565,33 @@ class Scheduler(_Declaring):
         for run in runs:
             runs_of.setdefault(run.job, []).append(run)
         result = []
+        shown, self._shown = self._shown, {}
         for row in jobs:
             declared = self._declared.jobs.get(row.name)
-            schedule = _stored_schedule(row) if declared is None else declared.schedule
-            following = row.next_slot if declared is None else declared.next_due(row.last_slot)
-            if declared is not None and following is not None and schedule.start_of(following) <= now_ms:
-                following = schedule.next_after(now_ms)  # due: the one after now
-            start = None if following is None else schedule.start_of(following)
             mine = runs_of.get(row.name)
-            status = object.__new__(JobStatus)
-            status._fill(row, following, () if mine is None else tuple(_run_info(r, now_wall) for r in mine), start)
+            before = None if mine else shown.get(row.name)
+            if before is not None and before[0] == row and before[1] is declared and (before[3] or math.inf) > now_ms:
+                status, start = before[2], before[3]  # (as the last time: its next start is still to come)
+            else:
+                status, start = self._status_of(row, declared, mine, now_ms, now_wall)
+            if not mine:
+                self._shown[row.name] = (row, declared, status, start)
             result.append(status)
         return result
+
+    @staticmethod
+    def _status_of(
+        row: _JobStatusRow, declared: _Job | None, runs: list[_RunRow] | None, now_ms: int, now_wall: float
+    ) -> tuple[JobStatus, int | None]:
+        """One job's ``JobStatus``: its next occurrence (the one after now once due); and its start."""
+        schedule = _stored_schedule(row) if declared is None else declared.schedule
+        following = row.next_slot if declared is None else declared.next_due(row.last_slot)
+        if declared is not None and following is not None and schedule.start_of(following) <= now_ms:
+            following = schedule.next_after(now_ms)  # due: the one after now
+        start = None if following is None else schedule.start_of(following)
+        status = object.__new__(JobStatus)
+        status._fill(row, following, () if runs is None else tuple(_run_info(r, now_wall) for r in runs), start)
+        return status, start
 
     # -- running ----------------------------------------------------------------------------------
 
