@@ -7688,12 +7688,16 @@ class _Loop:
             self._written = True
             return
         watch = self._watch
-        later = 0.0 if watch is None else self._read_real + watch.coalesce - time.monotonic()
+        later = 0.0 if watch is None else self._coalescing(watch)
         if later <= 0:
             self._wake_up()
         elif self._told is None and watch is not None:
             watch.hold()
             self._told = asyncio.get_running_loop().call_later(later, self._told_now)
+
+    def _coalescing(self, watch: _Changes) -> float:
+        """Seconds until the store's ``coalesce`` has passed since the last read began (<= 0: it has)."""
+        return self._read_real + watch.coalesce - time.monotonic()
 
     def _told_now(self) -> None:
         self._told = None
@@ -7881,7 +7885,7 @@ class _Loop:
         stale = self._watching and self._clock.monotonic() >= self._read_at + self._reread - 0.01
         deferred = 0.0  # a change told by another process, read this much later with the changes after it
         if version != self._version and not self._dirty and self._runs is not None:
-            deferred = max(0.0, self._read_real + watch.coalesce - time.monotonic())
+            deferred = max(0.0, self._coalescing(watch))
         if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty):
             await self._read_as_of(version)
         elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
@@ -7899,7 +7903,7 @@ class _Loop:
         recheck = self._recheck
         if recheck and not self._dirty and self._runs is not None:
             # (a change seen sooner than ``coalesce`` after the last read would wait for it: look then)
-            recheck = max(recheck, self._read_real + watch.coalesce - time.monotonic())
+            recheck = max(recheck, self._coalescing(watch))
         limit = min(self._idle, recheck or self._idle)
         ready, wait = agenda.ready(now_ms, limit)
         if ready and deferred and not all(self._is_first(job.name) for job, _ in ready):
@@ -8570,7 +8574,12 @@ class Scheduler(_Declaring):
             declared = self._declared.jobs.get(row.name)
             mine = runs_of.get(row.name)
             before = None if mine else shown.get(row.name)
-            if before is not None and before[0] == row and before[1] is declared and (before[3] or math.inf) > now_ms:
+            if (
+                before is not None
+                and before[0] == row
+                and before[1] is declared
+                and (before[3] is None or before[3] > now_ms)
+            ):
                 status, start = before[2], before[3]  # (as the last time: its next start is still to come)
             else:
                 status, start = self._status_of(row, declared, mine, now_ms, now_wall)
