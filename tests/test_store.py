@@ -217,6 +217,23 @@ def test_history_is_newest_first_limited_and_pruned_to_the_retention(s):
     assert figures["job"].records["succeeded"] == 4 and figures["job"].records["failed"] == 1  # kept past pruning
 
 
+def test_ends_look_whether_the_history_is_due_a_prune_once_a_hundredth_of_the_retention(s, monkeypatch):
+    """At the default retention (1000) an end looks whether its job's history is due a prune (a
+    look steps through 1,100 records) at this store's first end of the job, then at one end in ten,
+    not at every end; below 200, at every end (the test above: pruned to 3 at once)."""
+    looks = []
+    prune = al._SQLStore._prune
+    monkeypatch.setattr(al._SQLStore, "_prune", lambda store, conn, job: (looks.append(job), prune(store, conn, job)))
+    expected = 0
+    for n in range(25):
+        slot = 1000 * (n + 1)
+        claim = s.claim_due(OWNER, slot, al._Due("job", expected, slot, slot + 1000, [], True, 1, 30))
+        assert s.finish(OWNER, al._End(claim, "succeeded", None, slot))
+        expected = slot
+    assert looks == ["job"] * 3  # the ends 1, 11 and 21
+    assert len(s.history("job", 100)) == 25
+
+
 def test_a_backlog_past_the_retention_is_pruned_a_bounded_batch_at_a_time(store, s, monkeypatch):
     """An end prunes at most ``_PRUNE_BATCH`` records, the oldest (a backlog of a million held
     the write lock for seconds), and notes the rest; ``tidy`` prunes it batch by batch, each in a
