@@ -2521,7 +2521,7 @@ class _SQLStore(_Store):
     _renewal = staticmethod(_renewal)  # the statement that renews leases (PostgreSQL has its own)
 
     def __init__(self) -> None:
-        self._ends: dict[str, int] = {}  # each job's ends since its history was last looked at (_prune_due)
+        self._ends: dict[str, int] = {}  # records each job's ends wrote since its history was looked at (_prune_due)
 
     @abc.abstractmethod
     def _owner(self) -> _Owner:
@@ -2749,14 +2749,22 @@ class _SQLStore(_Store):
         return rows[0][0] if rows else None
 
     def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
+        looks = {e.claim.job for e in ends if e.then is _AfterEnd.DONE and self._prune_due(e.claim.job)}
+
         def work(conn: Any) -> list[bool]:
-            return [self._finish(conn, owner, end) for end in ends]
+            return [self._finish(conn, owner, end, end.claim.job in looks) for end in ends]
 
         # Runs deleted concern no other process at once (one watching such a run reads the runs
         # again within 0.5 s); runs left pending do: another may claim them now.
-        return self._write(work, lambda written: any(w and e.then is not _AfterEnd.DONE for w, e in zip(written, ends)))
+        written = self._write(
+            work, lambda written: any(w and e.then is not _AfterEnd.DONE for w, e in zip(written, ends))
+        )
+        for end, done in zip(ends, written):  # (counted once committed: a transaction run again counts once)
+            if done:
+                self._ended(end.claim.job, end.then is _AfterEnd.DONE and end.claim.job in looks)
+        return written
 
-    def _finish(self, conn: Any, owner: str, end: _End) -> bool:
+    def _finish(self, conn: Any, owner: str, end: _End, look: bool) -> bool:
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
         held = _held_by(job, slot, attempt, owner)
         if end.then is _AfterEnd.DONE:
@@ -2770,20 +2778,27 @@ class _SQLStore(_Store):
         ended.update(job=job, slot=slot, attempt=attempt)
         if conn.execute(_SQL_END_NEWEST, ended).rowcount == 0:  # others were recorded since: made the newest
             conn.execute(self._SQL_FINISH_ATTEMPT, ended)
-        if end.then is _AfterEnd.DONE and self._prune_due(job):
+        if end.then is _AfterEnd.DONE and look:
             self._prune(conn, job)
         return True
 
     def _prune_due(self, job: str) -> bool:
-        """Whether this end of ``job`` looks whether its history is due a prune: this store's first
-        end of it, then one in every hundredth of the retention (every end below 200). The look
-        steps through a tenth more records than the retention, 25-50 us at the default: at every end
-        it was a statement of the eleven an occurrence made. Between looks each process adds at most
-        a hundredth of the retention: the history holds at most a tenth and that many per process
-        more than the retention."""
-        count = self._ends.get(job, 0)
-        self._ends[job] = (count + 1) % max(1, self.retention // 100)
-        return count == 0
+        """Whether a run of ``job`` ended now looks whether its history is due a prune: at this
+        store's first end of it, then once its ends have written a hundredth of the retention
+        since the last look (at every run's end below 200). The look steps through a tenth more
+        records than the retention, 25-50 us at the default: at every end it was a statement of the
+        eleven an occurrence made. Between looks each process adds at most a hundredth of the
+        retention and the attempts of one run (an end of an attempt that another follows writes
+        its record but does not look)."""
+        written = self._ends.get(job)
+        return written is None or written + 1 >= self.retention // 100
+
+    def _ended(self, job: str, looked: bool) -> None:
+        """Count an end of ``job`` written and committed (``_prune_due``)."""
+        if looked:
+            self._ends[job] = 0
+        elif job in self._ends:
+            self._ends[job] += 1
 
     def _prune(self, conn: Any, job: str) -> None:
         """Prune the job's history to ``retention`` records once it holds a tenth more: each write

@@ -232,6 +232,42 @@ def test_ends_look_whether_the_history_is_due_a_prune_once_a_hundredth_of_the_re
         expected = slot
     assert looks == ["job"] * 3  # the ends 1, 11 and 21
     assert len(s.history("job", 100)) == 25
+    # An attempt that another follows writes its record too: 4 since the look, and 6 retried, the
+    # run's end looks (the records between two looks: at most ten and one run's attempts)
+    slot = 26_000
+    claim = s.claim_due(OWNER, slot, al._Due("job", expected, slot, slot + 1000, [], True, 1, 30))
+    for _ in range(6):
+        assert s.finish(OWNER, al._End(claim, "failed", "boom", slot, al._AfterEnd.RETRY, 0))
+        (pending,) = s.runs()
+        claim = s.claim(pending, OWNER, 30, slot, 99, None)
+    assert s.finish(OWNER, al._End(claim, "failed", "boom", slot)) and looks == ["job"] * 4
+
+
+def test_an_end_counts_towards_the_next_look_only_once_committed(s, monkeypatch):
+    """An end whose transaction failed (here in its look at the history) wrote nothing, and moves
+    nothing towards the next look: written again, as the runner writes it, it looks. (Counted
+    while the transaction ran, a failed or retried one skipped the look, and a look failing each
+    time let the history grow without bound.)"""
+
+    class Boom(Exception):
+        pass
+
+    looks, failures = [], [Boom("the look failed")]
+    prune = al._SQLStore._prune
+
+    def failing_once(store, conn, job):
+        looks.append(job)
+        if failures:
+            raise failures.pop()
+        prune(store, conn, job)
+
+    monkeypatch.setattr(al._SQLStore, "_prune", failing_once)
+    claim = claim_due(s, OWNER, slot=1000)
+    with pytest.raises(Boom):
+        s.finish(OWNER, al._End(claim, "succeeded", None, 1000))
+    assert [r.slot for r in s.runs()] == [1000]  # (rolled back: the run still held)
+    assert s.finish(OWNER, al._End(claim, "succeeded", None, 1000))
+    assert looks == ["job", "job"] and s.runs() == []
 
 
 def test_a_backlog_past_the_retention_is_pruned_a_bounded_batch_at_a_time(store, s, monkeypatch):
