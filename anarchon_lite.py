@@ -2759,8 +2759,8 @@ class _SQLStore(_Store):
         written = self._write(
             work, lambda written: any(w and e.then is not _AfterEnd.DONE for w, e in zip(written, ends))
         )
-        for end, done in zip(ends, written):  # (counted once committed: a transaction run again counts once)
-            if done:
+        for end, wrote in zip(ends, written):  # (counted once committed: a transaction run again counts once)
+            if wrote:
                 self._ended(end.claim.job, end.then is _AfterEnd.DONE and end.claim.job in looks)
         return written
 
