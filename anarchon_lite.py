@@ -2749,22 +2749,24 @@ class _SQLStore(_Store):
         return rows[0][0] if rows else None
 
     def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
-        looks = {e.claim.job for e in ends if e.then is _AfterEnd.DONE and self._prune_due(e.claim.job)}
+        looks = [end.then is _AfterEnd.DONE and self._prune_due(end.claim.job) for end in ends]
 
         def work(conn: Any) -> list[bool]:
-            return [self._finish(conn, owner, end, end.claim.job in looks) for end in ends]
+            return [self._finish(conn, owner, end, look) for end, look in zip(ends, looks)]
 
         # Runs deleted concern no other process at once (one watching such a run reads the runs
         # again within 0.5 s); runs left pending do: another may claim them now.
         written = self._write(
             work, lambda written: any(w and e.then is not _AfterEnd.DONE for w, e in zip(written, ends))
         )
-        for end, wrote in zip(ends, written):  # (counted once committed: a transaction run again counts once)
+        for end, look, wrote in zip(ends, looks, written):  # (once committed: a transaction run again counts once)
             if wrote:
-                self._ended(end.claim.job, end.then is _AfterEnd.DONE and end.claim.job in looks)
+                self._ended(end.claim.job, look)
         return written
 
     def _finish(self, conn: Any, owner: str, end: _End, look: bool) -> bool:
+        """Write ``end`` if its attempt still holds its run; ``look``: a ``DONE`` end that looks
+        whether the job's history is due a prune (``_prune_due``)."""
         job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
         held = _held_by(job, slot, attempt, owner)
         if end.then is _AfterEnd.DONE:
@@ -2778,7 +2780,7 @@ class _SQLStore(_Store):
         ended.update(job=job, slot=slot, attempt=attempt)
         if conn.execute(_SQL_END_NEWEST, ended).rowcount == 0:  # others were recorded since: made the newest
             conn.execute(self._SQL_FINISH_ATTEMPT, ended)
-        if end.then is _AfterEnd.DONE and look:
+        if look:
             self._prune(conn, job)
         return True
 
