@@ -2127,7 +2127,7 @@ class _Liveness:
 # ``?`` and ``:name`` placeholders (the PostgreSQL connection translates them). ``lease_clock()`` is a
 # function each store defines: the clock its leases are stamped and compared on, in seconds.
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # Every write to a job row gives it the next change number (``changed``; writers take turns, so the
 # numbers are handed out in commit order): a process re-reads only the rows changed since the newest
 # number it has seen, not every job. (``register`` writes only what is new or declared otherwise.)
@@ -2195,6 +2195,24 @@ _SQL_KEEP_NEWEST = (
     "WHERE name = NEW.job"
 )
 _SQL_IS_NEWEST = "NEW.id = " + _SQL_NEWEST_ID.replace("{job}", "NEW.job")
+# An attempt's record, written by a trigger on ``runs`` when a run is made running (``NEW``: the run,
+# inserted running by a claim or taken as its next attempt): in the claim's own statement.
+_SQL_RUN_TAKEN = "NEW.state = 'running'"
+_SQL_RECORD_TAKEN = (
+    "INSERT INTO {schema}history (job, slot, attempt, status, instance, started_at) "
+    "VALUES (NEW.job, NEW.slot, NEW.attempt, 'running', NEW.owner, NEW.started_at) "
+    "ON CONFLICT (job, slot, attempt) DO UPDATE SET status = excluded.status, finished_at = excluded.finished_at, "
+    "error = excluded.error"
+)
+# A run whose attempt's record has ended while that attempt still holds it running is over: a trigger
+# on ``history`` deletes it, so that an end is one statement (``_SQL_END_HELD``). An attempt that
+# another follows lets go of its run before its record ends (``_SQL_RELEASE_HELD``: the run is no
+# longer running); ``interrupted`` is what a takeover writes of the attempt before it while that one
+# still holds the run.
+_SQL_RECORD_ENDED = "OLD.status = 'running' AND NEW.status NOT IN ('running', 'interrupted')"
+_SQL_LET_GO_ENDED = (
+    "DELETE FROM {schema}runs WHERE job = NEW.job AND slot = NEW.slot AND attempt = NEW.attempt AND state = 'running'"
+)
 _SQL_NEWEST_RECORD = f"FROM history h WHERE h.id = {_SQL_JOBS_NEWEST_ID}"
 _SQL_FILL_NEWEST = (  # the same for every job at once (the migration to version 7)
     f"UPDATE jobs SET last_status = (SELECT h.status {_SQL_NEWEST_RECORD}), "
@@ -2246,6 +2264,13 @@ def _held_by(job: str, slot: int, attempt: int | None, owner: str | None) -> dic
     return {"job": job, "slot": slot, "attempt": attempt, "owner": owner}
 
 
+def _ended_by(owner: str, end: _End) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parameters of ``_SQL_FENCE`` for ``end``'s attempt held by ``owner``, and those of the
+    statements that write its end (``_SQL_END_HELD`` and its kin)."""
+    held = _held_by(end.claim.job, end.claim.slot, end.claim.attempt, owner)
+    return held, {**held, "status": end.status, "finished_at": end.now_ms, "error": end.error, "output": end.output}
+
+
 _SQL_FENCE = "job = :job AND slot = :slot AND attempt = :attempt AND owner = :owner AND state = 'running'"
 _SQL_RENEW_ALL = (  # {rows}: one (job, slot, attempt) per attempt
     "UPDATE runs SET lease_until = lease_clock() + lease WHERE owner = ? AND state = 'running' "
@@ -2277,6 +2302,9 @@ _SQL_END_ATTEMPT = (
 # As _SQL_END_ATTEMPT when the record is already the job's newest (a short run: nothing recorded for
 # the job since it started): the record is changed in place, no index is touched.
 _SQL_END_NEWEST = f"{_SQL_END_ATTEMPT} AND id = {_SQL_NEWEST_ID.format(schema='', job=':job')}"
+# An attempt's end, its run over, in one statement: as _SQL_END_NEWEST while the attempt holds its run
+# (``_held_by``'s parameters too); the trigger on the record's end deletes the run (_SQL_LET_GO_ENDED).
+_SQL_END_HELD = f"{_SQL_END_NEWEST} AND EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE})"
 _SQL_SLOT_USED = "SELECT 1 FROM runs WHERE job = :job AND slot = :slot UNION ALL SELECT 1 FROM history WHERE job = :job AND slot = :slot"
 _SQL_HISTORY_COLUMNS = "job, slot, attempt, status, instance, started_at, finished_at, error, output"
 _SQL_RECORD_OF = f"SELECT {_SQL_HISTORY_COLUMNS} FROM history WHERE job = ? AND slot = ? AND attempt = ?"
@@ -2634,8 +2662,7 @@ class _SQLStore(_Store):
             if self._full(conn, job, slot, due.overlap):
                 self._skip(conn, job, slot, owner, now_ms)
             return _NotClaimed.RECORDED  # (else a run of that very slot was triggered: it is claimed as pending)
-        conn.execute(_SQL_RECORD, _record(job, slot, 1, "running", owner, started_at=now_ms))
-        return _Claim(job, slot, 1, 0, now_ms)
+        return _Claim(job, slot, 1, 0, now_ms)  # (its record: _SQL_RECORD_TAKEN)
 
     def _holder(self, job: str, slot: int, owner: str, lease: float, now_ms: int) -> dict[str, Any]:
         """The parameters that make ``owner`` (an instance of this process) the holder of a run for
@@ -2655,10 +2682,10 @@ class _SQLStore(_Store):
         }
 
     def _take(self, conn: Any, job: str, slot: int, owner: str, lease: float, now_ms: int) -> _Claim:
-        """Make ``owner`` the holder of a pending run (its next attempt), as ``_holder`` says."""
+        """Make ``owner`` the holder of a pending run (its next attempt), as ``_holder`` says; the
+        attempt's record is written by the trigger on the run (``_SQL_RECORD_TAKEN``)."""
         conn.execute(_SQL_TAKE_RUN, self._holder(job, slot, owner, lease, now_ms))
         attempt, failures = conn.execute(_SQL_ATTEMPT, (job, slot)).fetchone()
-        conn.execute(_SQL_RECORD, _record(job, slot, attempt, "running", owner, started_at=now_ms))
         return _Claim(job, slot, attempt, failures, now_ms)
 
     @staticmethod
@@ -2750,6 +2777,9 @@ class _SQLStore(_Store):
 
     def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
         looks = [end.then is _AfterEnd.DONE and self._prune_due(end.claim.job) for end in ends]
+        if len(ends) == 1 and ends[0].then is _AfterEnd.DONE and not looks[0] and self._end_alone(owner, ends[0]):
+            self._ended(ends[0].claim.job, False)
+            return [True]
 
         def work(conn: Any) -> list[bool]:
             return [self._finish(conn, owner, end, look) for end, look in zip(ends, looks)]
@@ -2767,22 +2797,28 @@ class _SQLStore(_Store):
     def _finish(self, conn: Any, owner: str, end: _End, look: bool) -> bool:
         """Write ``end`` if its attempt still holds its run; ``look``: a ``DONE`` end that looks
         whether the job's history is due a prune (``_prune_due``)."""
-        job, slot, attempt = end.claim.job, end.claim.slot, end.claim.attempt
-        held = _held_by(job, slot, attempt, owner)
+        held, ended = _ended_by(owner, end)
         if end.then is _AfterEnd.DONE:
-            let_go = conn.execute(_SQL_DELETE_HELD, held)
+            if conn.execute(_SQL_END_HELD, ended).rowcount == 0:  # not held, or others were recorded since
+                if conn.execute(_SQL_DELETE_HELD, held).rowcount == 0:
+                    return False  # (the attempt no longer holds its run: nothing was written)
+                conn.execute(self._SQL_FINISH_ATTEMPT, ended)  # (made the newest)
         else:
             failed = int(end.then is _AfterEnd.RETRY)
-            let_go = conn.execute(_SQL_RELEASE_HELD, {**held, "not_before": end.not_before, "failed": failed})
-        if let_go.rowcount == 0:
-            return False  # (the attempt no longer holds its run: nothing was written)
-        ended = {"status": end.status, "finished_at": end.now_ms, "error": end.error, "output": end.output}
-        ended.update(job=job, slot=slot, attempt=attempt)
-        if conn.execute(_SQL_END_NEWEST, ended).rowcount == 0:  # others were recorded since: made the newest
-            conn.execute(self._SQL_FINISH_ATTEMPT, ended)
+            if conn.execute(_SQL_RELEASE_HELD, {**held, "not_before": end.not_before, "failed": failed}).rowcount == 0:
+                return False
+            if conn.execute(_SQL_END_NEWEST, ended).rowcount == 0:
+                conn.execute(self._SQL_FINISH_ATTEMPT, ended)
         if look:
-            self._prune(conn, job)
+            self._prune(conn, end.claim.job)
         return True
+
+    def _end_alone(self, owner: str, end: _End) -> bool:
+        """Write ``end`` (its run over) as one statement that is its own transaction, when its
+        record is the job's newest and the attempt holds its run: whether it did (if not, the end is
+        written in a transaction, which tells the two apart). Two statements and a ``BEGIN`` fewer
+        than the transaction."""
+        return self._autocommit(_SQL_END_HELD, _ended_by(owner, end)[1]) == 1
 
     def _prune_due(self, job: str) -> bool:
         """Whether a run of ``job`` ended now looks whether its history is due a prune: at this
@@ -3008,6 +3044,20 @@ _SQLITE_NEWEST_TRIGGERS = (
         f"WHEN {_SQLITE_IS_NEWEST} BEGIN {_SQLITE_KEEP_NEWEST}; END"
     ),
 )
+_SQLITE_RUN_TRIGGERS = (  # (version 8)
+    (
+        f"CREATE TRIGGER IF NOT EXISTS run_added AFTER INSERT ON runs WHEN {_SQL_RUN_TAKEN} "
+        f"BEGIN {_SQL_RECORD_TAKEN.format(schema='')}; END"
+    ),
+    (
+        f"CREATE TRIGGER IF NOT EXISTS run_taken AFTER UPDATE OF attempt ON runs WHEN {_SQL_RUN_TAKEN} "
+        f"BEGIN {_SQL_RECORD_TAKEN.format(schema='')}; END"
+    ),
+    (
+        f"CREATE TRIGGER IF NOT EXISTS history_ended AFTER UPDATE OF status ON history WHEN {_SQL_RECORD_ENDED} "
+        f"BEGIN {_SQL_LET_GO_ENDED.format(schema='')}; END"
+    ),
+)
 _SQLITE_TYPES = {
     "ms": "INTEGER",
     "real": "REAL",
@@ -3033,6 +3083,7 @@ _SCHEMA = (
     _SQLITE_INSTANCES_TABLE,
     *_dialect((_SQL_DECLARATIONS_TABLE, *_SQL_CHECKPOINT_TABLES), _SQLITE_TYPES),
     *_SQLITE_NEWEST_TRIGGERS,
+    *_SQLITE_RUN_TRIGGERS,
 )
 # The tables that every version of the schema has: a file with a schema version and without them is
 # another application's (``_SQLiteFile._refuse_foreign``).
@@ -3048,6 +3099,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {  # (versions 2 and 3 were never writ
     5: _SQL_MIGRATIONS[5],
     6: ("ALTER TABLE instances ADD COLUMN host TEXT", *_dialect(_SQL_MIGRATIONS[6], _SQLITE_TYPES)),
     7: (*_dialect(_SQL_MIGRATIONS[7], _SQLITE_TYPES), *_SQLITE_NEWEST_TRIGGERS),
+    8: _SQLITE_RUN_TRIGGERS,
 }
 
 _SQL_FINISH_ATTEMPT = (  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id): pruning
@@ -4301,6 +4353,26 @@ _PG_NEWEST_TRIGGER = (  # as _SQLITE_NEWEST_TRIGGERS (names qualified: whatever 
     END $$""",
     "CREATE TRIGGER history_newest AFTER INSERT OR UPDATE OF status ON history FOR EACH ROW EXECUTE FUNCTION keep_newest()",
 )
+_PG_RUN_TRIGGERS = (  # as _SQLITE_RUN_TRIGGERS (version 8)
+    f"""CREATE FUNCTION record_taken() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        {_SQL_RECORD_TAKEN.format(schema="{schema}.")};
+        RETURN NULL;
+    END $$""",
+    (
+        "CREATE TRIGGER run_taken AFTER INSERT OR UPDATE OF attempt ON runs FOR EACH ROW "
+        f"WHEN ({_SQL_RUN_TAKEN}) EXECUTE FUNCTION record_taken()"
+    ),
+    f"""CREATE FUNCTION let_go_ended() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        {_SQL_LET_GO_ENDED.format(schema="{schema}.")};
+        RETURN NULL;
+    END $$""",
+    (
+        "CREATE TRIGGER history_ended AFTER UPDATE OF status ON history FOR EACH ROW "
+        f"WHEN ({_SQL_RECORD_ENDED}) EXECUTE FUNCTION let_go_ended()"
+    ),
+)
 _PG_TYPES = {"ms": "BIGINT", "real": "DOUBLE PRECISION", "id": "BIGSERIAL PRIMARY KEY", "new": "", "rowid": ""}
 # One row per running process: the advisory lock it holds, and the server's start time when it
 # took it (a restart frees every lock: until its owner is back, a free lock proves nothing).
@@ -4321,6 +4393,7 @@ _PG_SCHEMA = (
     "CREATE SEQUENCE lock_keys AS INTEGER MINVALUE 1 CYCLE",
     *_dialect(_SQL_CHECKPOINT_TABLES, _PG_TYPES),
     *_PG_NEWEST_TRIGGER,
+    *_PG_RUN_TRIGGERS,
     (
         "CREATE FUNCTION lease_clock() RETURNS DOUBLE PRECISION LANGUAGE sql VOLATILE AS "
         "'SELECT extract(epoch FROM clock_timestamp())::DOUBLE PRECISION'"
@@ -4338,6 +4411,7 @@ _PG_MIGRATIONS: dict[int, tuple[str, ...]] = {  # (PostgreSQL's schema began at 
     5: _SQL_MIGRATIONS[5],
     6: _dialect(_SQL_MIGRATIONS[6], _PG_TYPES),
     7: (*_dialect(_SQL_MIGRATIONS[7], _PG_TYPES), *_PG_NEWEST_TRIGGER),
+    8: _PG_RUN_TRIGGERS,
 }
 # A write transaction's first statement: the schema's write turn (held to its end, as SQLite's write
 # lock), taken in READ COMMITTED, so each statement after it sees every write committed before it. The
@@ -4717,6 +4791,12 @@ class _PGStore(_SQLStore):
 
     def _read(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
         return self._reconnecting(lambda raw: list(raw.execute(_pg_sql(sql), args).fetchall()))
+
+    def _end_alone(self, owner: str, end: _End) -> bool:
+        """Never: outside the writers' turn, a takeover's transaction could change the run between
+        what the statement's fence read (READ COMMITTED: a subquery sees the statement's snapshot)
+        and the record it writes."""
+        return False
 
     def _reconnecting(self, call: Callable[[Any], T]) -> T:
         """``call(connection)``; when the connection is lost (a server restart, a terminated

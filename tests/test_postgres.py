@@ -166,7 +166,11 @@ def test_a_schema_of_version_3_is_migrated_in_place_and_its_jobs_kept(url):
 
     before = run(declare())
     sql(url, "INSERT INTO history (job, slot, attempt, status, started_at) VALUES ('kept', 1000, 1, 'failed', 2000)")
-    sql(url, "DROP TRIGGER history_newest ON history")  # (what versions 4 to 7 added, undone)
+    sql(url, "DROP TRIGGER run_taken ON runs")  # (what versions 4 to 8 added, undone)
+    sql(url, "DROP FUNCTION record_taken")
+    sql(url, "DROP TRIGGER history_ended ON history")
+    sql(url, "DROP FUNCTION let_go_ended")
+    sql(url, "DROP TRIGGER history_newest ON history")
     sql(url, "DROP FUNCTION keep_newest")
     sql(url, "ALTER TABLE jobs DROP COLUMN last_status")
     sql(url, "ALTER TABLE jobs DROP COLUMN last_at")

@@ -270,6 +270,71 @@ def test_an_end_counts_towards_the_next_look_only_once_committed(s, monkeypatch)
     assert looks == ["job", "job"] and s.runs() == []
 
 
+def test_an_end_is_written_whether_or_not_its_job_recorded_others_since(s):
+    """A short run's record is still its job's newest when it ends: the end changes it in place, in
+    one statement with the fence. A longer run's job has newer records by then: its record is
+    written again as the newest (pruning keeps the newest). Either way the run is over and an end
+    written again is refused."""
+    long = s.claim_due(OWNER, 1000, al._Due("job", 0, 1000, 2000, [], True, None, 30))
+    short = s.claim_due(OTHER, 2000, al._Due("job", 1000, 2000, 3000, [], True, None, 30))
+    assert s.finish(OTHER, al._End(short, "succeeded", None, 2500))
+    assert [r.slot for r in s.runs()] == [1000]
+    assert s.finish(OWNER, al._End(long, "failed", "boom", 3000))
+    assert [(r.slot, r.status, r.error) for r in s.history("job", 10)] == [
+        (1000, "failed", "boom"),
+        (2000, "succeeded", None),
+    ]
+    assert s.runs() == []
+    assert s.finish(OWNER, al._End(long, "succeeded", None, 3500)) is False
+    assert s.finish(OTHER, al._End(short, "failed", None, 3500)) is False
+    assert [(r.slot, r.status) for r in s.history("job", 10)] == [(1000, "failed"), (2000, "succeeded")]
+
+
+def test_the_writes_of_a_process_of_the_previous_schema_version_still_work(s):
+    """A process of the release before (schema version 7) still running on the file while the
+    next one migrated it: its claim writes the record the trigger wrote, its end deletes the run
+    before ending the record, its takeover ends the attempt before interrupted before taking the
+    run (what the trigger on a record's end leaves alone: that attempt still holds the run)."""
+    claim = claim_due(s, OWNER)  # a claim of this version, taken over by one of version 7
+
+    def old_takeover(conn):
+        ended = {"status": "interrupted", "finished_at": 1500, "error": "lease expired", "output": None}
+        conn.execute(al._SQL_END_ATTEMPT, {**ended, "job": "job", "slot": 1000, "attempt": 1})
+        conn.execute(al._SQL_TAKE_RUN, s._holder("job", 1000, OTHER, 30, 1500))
+        attempt, _ = conn.execute(al._SQL_ATTEMPT, ("job", 1000)).fetchone()
+        conn.execute(al._SQL_RECORD, al._record("job", 1000, attempt, "running", OTHER, started_at=1500))
+        return attempt
+
+    assert s._write(old_takeover) == 2
+    assert s.finish(OWNER, al._End(claim, "succeeded", None, 1600)) is False
+
+    def old_end(conn):
+        conn.execute(al._SQL_DELETE_HELD, al._held_by("job", 1000, 2, OTHER))
+        ended = {"status": "succeeded", "finished_at": 1700, "error": None, "output": None}
+        conn.execute(al._SQL_END_NEWEST, {**ended, "job": "job", "slot": 1000, "attempt": 2})
+
+    s._write(old_end)
+
+    def old_claim(conn):
+        advance = {"slot": 2000, "next_slot": 3000, "job": "job", "expected_last": 1000}
+        assert conn.execute(al._SQL_ADVANCE, advance).rowcount == 1
+        holder = {**s._holder("job", 2000, OTHER, 30, 2000), "overlap": 1}
+        assert conn.execute(al._SQL_INSERT_DUE_RUNNING, holder).rowcount == 1
+        conn.execute(al._SQL_RECORD, al._record("job", 2000, 1, "running", OTHER, started_at=2000))
+
+    s._write(old_claim)
+    (pending,) = s.runs()
+    taken = s.claim(pending, OWNER, 30, 2500, 10, 1, "lease expired")  # taken over by this version
+    assert taken.attempt == 2 and s.finish(OWNER, al._End(taken, "succeeded", None, 2600))
+    assert s.runs() == []
+    assert [(r.slot, r.attempt, r.status, r.instance) for r in reversed(s.history("job", 10))] == [
+        (1000, 1, "interrupted", OWNER),
+        (1000, 2, "succeeded", OTHER),
+        (2000, 1, "interrupted", OTHER),
+        (2000, 2, "succeeded", OWNER),
+    ]
+
+
 def test_a_backlog_past_the_retention_is_pruned_a_bounded_batch_at_a_time(store, s, monkeypatch):
     """An end prunes at most ``_PRUNE_BATCH`` records, the oldest (a backlog of a million held
     the write lock for seconds), and notes the rest; ``tidy`` prunes it batch by batch, each in a
@@ -620,6 +685,28 @@ def test_a_backlog_behind_an_unfinished_runs_records_is_pruned_past_them(store, 
 
 
 @pytest.mark.sqlite_only  # (the file's free pages: a PostgreSQL server vacuums its own)
+@pytest.mark.sqlite_only  # (statements counted by SQLite's trace callback; PostgreSQL writes an end in its writers' turn)
+def test_a_claim_is_two_statements_in_a_transaction_and_a_short_runs_end_one(db):
+    """A claim advances the job's watermark and inserts its run (a trigger writes the attempt's
+    record); a short run's end is one statement, its own transaction (a trigger lets go of the
+    run). They were five and four statements with their BEGIN and COMMIT."""
+    s = sqlite_store(db)
+    assert s.finish(OWNER, al._End(claim_due(s, OWNER), "succeeded", None, 1500))  # (its first end looks at the history)
+    said = []  # (the callback is told a statement again at the start of each trigger it fires)
+    s._connect().set_trace_callback(lambda sql: said[-1:] != [sql] and said.append(sql))
+    claim = claim_due(s, OWNER, expected=1000, slot=2000)
+    assert [sql.split()[:3] for sql in said] == [
+        ["BEGIN", "IMMEDIATE"],
+        ["UPDATE", "jobs", "SET"],
+        ["INSERT", "INTO", "runs"],
+        ["COMMIT"],
+    ]
+    del said[:]
+    assert s.finish(OWNER, al._End(claim, "succeeded", None, 2500))
+    assert [sql.split()[:3] for sql in said] == [["UPDATE", "history", "SET"]]
+    assert s.runs() == [] and [(r.slot, r.status) for r in s.history("job", 1)] == [(2000, "succeeded")]
+
+
 def test_a_pruned_backlog_gives_the_files_free_pages_back(db, monkeypatch):
     """Once a backlog is pruned, ``tidy`` gives the file's free pages back a bounded number at a
     time (an incremental vacuum: a new file keeps the page map it needs), until under a quarter of
