@@ -691,7 +691,8 @@ def test_a_claim_is_two_statements_in_a_transaction_and_a_short_runs_end_one(db)
     record); a short run's end is one statement, its own transaction (a trigger lets go of the
     run). They were five and four statements with their BEGIN and COMMIT."""
     s = sqlite_store(db)
-    assert s.finish(OWNER, al._End(claim_due(s, OWNER), "succeeded", None, 1500))  # (its first end looks at the history)
+    first = claim_due(s, OWNER)
+    assert s.finish(OWNER, al._End(first, "succeeded", None, 1500))  # (its first end looks at the history)
     said = []  # (the callback is told a statement again at the start of each trigger it fires)
     s._connect().set_trace_callback(lambda sql: said[-1:] != [sql] and said.append(sql))
     claim = claim_due(s, OWNER, expected=1000, slot=2000)
