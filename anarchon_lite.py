@@ -1537,10 +1537,14 @@ class _Store(abc.ABC):
         declarations)."""
 
     @abc.abstractmethod
-    def job_statuses(self) -> list[tuple[Any, ...]]:
-        """Every job, by name, with whether a running process declares it and its newest record,
-        in one read: rows as read, in the order of ``_JobStatusRow``'s fields (``status`` makes one
-        of a row only when it differs from the one it made before)."""
+    def job_statuses(self, since: int = -1) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        """Every job, by name, as its marks: ``(name, changed, undeclared, last_status,
+        last_at)``, whether a running process declares it and its newest record; and the rows
+        ``(name, schedule, paused, last_slot, next_slot, definition, declared_by, changed)`` of
+        the jobs changed since the change number ``since`` (every job's with -1, read with the
+        marks in one statement). Tuples as read (``status`` makes a ``_JobStatusRow`` only of a
+        job that differs from what it made before); ``changed`` is None on a file of a schema
+        before version 7, whose rows are all given each time."""
 
     @abc.abstractmethod
     def forget(self, job: str) -> str | None:
@@ -2176,8 +2180,14 @@ _SQL_JOB_RUNS = "SELECT count(*) FROM runs WHERE job = ?"
 # ``last_at``: written by triggers on ``history``, whoever writes the record). One read: 10,000 jobs
 # are scanned once (two look-ups a job in ``history`` would be two thirds of a ``status``'s time).
 _SQL_JOB_STATUSES = (
-    "SELECT name, schedule, paused, last_slot, next_slot, definition, declared_by, {undeclared}, last_status, "
-    "last_at FROM jobs ORDER BY name"
+    "SELECT name, schedule, paused, last_slot, next_slot, definition, declared_by, changed, {undeclared}, "
+    "last_status, last_at FROM jobs ORDER BY name"
+)
+# The same in two parts, for a ``status`` that has read the rows before: what can change without a
+# change number, for every job (its marks), and the rows changed since (by ``jobs_by_change``).
+_SQL_JOB_MARKS = "SELECT name, changed, {undeclared}, last_status, last_at FROM jobs ORDER BY name"
+_SQL_JOBS_CHANGED = (
+    "SELECT name, schedule, paused, last_slot, next_slot, definition, declared_by, changed FROM jobs WHERE changed > ?"
 )
 _SQL_NEWEST_ID = "(SELECT max(id) FROM {schema}history x WHERE x.job = {job})"  # a job's newest record's id
 _SQL_JOBS_NEWEST_ID = _SQL_NEWEST_ID.format(schema="", job="jobs.name")  # (in a statement on ``jobs``)
@@ -2949,12 +2959,18 @@ class _SQLStore(_Store):
         conn.execute(_SQL_UNDECLARE_GONE)
         conn.executemany(_SQL_DECLARE, [(name, instance) for name in declares])
 
-    def job_statuses(self) -> list[tuple[Any, ...]]:
+    def job_statuses(self, since: int = -1) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         live = self._live_processes(self._read)
         judged = live and not any(p.jobs is None for p in live)
         undeclared = _SQL_NOT_DECLARED.format(live=", ".join("?" * len(live))) if judged else "NULL"
-        sql = _SQL_JOB_STATUSES if self.schema >= 7 else _SQL_JOB_STATUSES_BEFORE_7
-        return self._read(sql.format(undeclared=undeclared), [p.instance for p in live] if judged else [])
+        args = [p.instance for p in live] if judged else []
+        if self.schema < 7:  # (read-only, a file of an earlier version whose processes still run)
+            rows = self._read(_SQL_JOB_STATUSES_BEFORE_7.format(undeclared=undeclared), args)
+            return [(row[0], None, *row[7:]) for row in rows], [(*row[:7], None) for row in rows]
+        if since < 0:
+            rows = self._read(_SQL_JOB_STATUSES.format(undeclared=undeclared), args)
+            return [(row[0], *row[7:]) for row in rows], [row[:8] for row in rows]
+        return self._read(_SQL_JOB_MARKS.format(undeclared=undeclared), args), self._read(_SQL_JOBS_CHANGED, (since,))
 
     # -- checkpoints and history ------------------------------------------------------------------
 
@@ -8567,8 +8583,14 @@ class Scheduler(_Declaring):
         self._thread: threading.Thread | None = None  #: the thread of ``start_in_thread``
         self._thread_loop: asyncio.AbstractEventLoop | None = None  #: and its event loop
         #: what the last ``status()`` made of each job without unfinished runs, to be given again
-        #: while its row, its declaration and its next start stay as they were (``_status_of``)
-        self._shown: dict[str, tuple[_JobStatusRow, _Job | None, JobStatus, int | None]] = {}
+        #: while its marks, its row, its declaration and its next start stay as they were
+        self._shown: dict[str, tuple[tuple[Any, ...], tuple[Any, ...], _Job | None, JobStatus, int | None]] = {}
+        #: each job's row as ``status()`` last read it, the newest change number it read (a status
+        #: reads again only the rows changed since: ``job_statuses``), and when it last read every
+        #: row (every ``_FULL_READ`` seconds, as the loop: a row changed by hand has no new number)
+        self._rows: dict[str, tuple[Any, ...]] = {}
+        self._rows_read = -1
+        self._rows_whole_at = -math.inf
         if notify:
             self.notify_systemd()
         if metrics_file is not None:
@@ -8675,7 +8697,10 @@ class Scheduler(_Declaring):
 
     async def status(self) -> list[JobStatus]:
         """Every job in the file: schedule, next occurrence, state, newest record and unfinished runs."""
-        jobs, runs = await self._link.call(lambda s: (s.job_statuses(), s.runs()))
+        since = self._rows_read
+        if self._clock.monotonic() >= self._rows_whole_at + _FULL_READ:
+            since, self._rows_whole_at = -1, self._clock.monotonic()
+        (marks, fresh), runs = await self._link.call(lambda s: (s.job_statuses(since), s.runs()))
         now_wall = self._clock.time()
         now_ms = _ms(now_wall)
         runs_of: dict[str, list[_RunRow]] = {}
@@ -8683,27 +8708,38 @@ class Scheduler(_Declaring):
             runs_of.setdefault(run.job, []).append(run)
         result = []
         shown, self._shown = self._shown, {}
+        rows, self._rows = self._rows, {}
+        rows.update((row[0], row) for row in fresh)
+        self._rows_read = max((row[7] for row in fresh if row[7] is not None), default=since)
         declared_jobs = self._declared.jobs
-        for raw in jobs:
-            name = raw[0]
+        for mark in marks:
+            name = mark[0]
+            row = rows.get(name)
+            if row is None or row[7] != mark[1]:
+                # (a row changed between the two reads, or under a change number already passed)
+                self._rows, self._shown, self._rows_whole_at = {}, {}, -math.inf
+                return await self.status()
+            self._rows[name] = row
             declared = declared_jobs.get(name)
             mine = runs_of.get(name)
             before = None if mine else shown.get(name)
             if (
                 before is not None
-                and before[0] == raw
-                and before[1] is declared
-                and (before[3] is None or before[3] > now_ms)
+                and before[0] == mark
+                and before[1] is row
+                and before[2] is declared
+                and (before[4] is None or before[4] > now_ms)
             ):
                 # As the last time (its next start is still to come): the same objects, nothing
                 # made that the garbage collector would count (of 10,000 jobs, 30,000 containers).
                 self._shown[name] = before
-                result.append(before[2])
+                result.append(before[3])
                 continue
-            row = _JobStatusRow._make(raw)
-            status, start = self._status_of(row, declared, mine, now_ms, now_wall)
+            status, start = self._status_of(
+                _JobStatusRow._make((*row[:7], *mark[2:])), declared, mine, now_ms, now_wall
+            )
             if not mine:
-                self._shown[name] = (row, declared, status, start)
+                self._shown[name] = (mark, row, declared, status, start)
             result.append(status)
         return result
 
