@@ -2163,7 +2163,15 @@ _SQL_UNDECLARED = (  # (``{live}``: the placeholders of the running processes' i
 )
 _SQL_DECLARERS = "SELECT instance FROM declarations WHERE job = ? ORDER BY instance"
 _SQL_DECLARATIONS = "SELECT instance, job FROM declarations"
-_SQL_FORGET = tuple(
+# Before a job is forgotten, the job with the next largest change number takes a new one: change
+# numbers keep growing (the largest plus one, they went back when the job holding it was deleted,
+# and a job declared again then took its forgotten number: a reader that had seen that number kept
+# the forgotten row). Only a last job forgotten takes them back to 0.
+_SQL_FORGET_CHANGE = (
+    f"UPDATE jobs SET changed = {_SQL_NEXT_CHANGE} "
+    "WHERE name = (SELECT name FROM jobs WHERE name != ? ORDER BY changed DESC LIMIT 1)"
+)
+_SQL_FORGET = (_SQL_FORGET_CHANGE,) + tuple(
     f"DELETE FROM {table} WHERE {column} = ?"
     for table, column in (
         ("jobs", "name"),

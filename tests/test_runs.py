@@ -645,7 +645,9 @@ def test_status_reads_again_only_the_rows_of_jobs_changed_since(store, monkeypat
     """Once ``status()`` has read every job's row, it reads each job's marks (whether a running
     process declares it, its newest record: what changes without a change number) and the rows
     changed since: of 10,000 jobs, reading every row was half of a status. What changed shows all
-    the same: a pause, a record written by hand, a job declared or forgotten by another process."""
+    the same: a pause, a record written by hand, a job declared or forgotten by another process, a
+    job forgotten and declared again (it took the forgotten job's change number back: the largest
+    plus one, the job holding the largest gone)."""
     read = []
     job_statuses = anarchon_lite._SQLStore.job_statuses
 
@@ -677,8 +679,16 @@ def test_status_reads_again_only_the_rows_of_jobs_changed_since(store, monkeypat
                 assert read[-1] == ["c"] and [(j.name, j.undeclared) for j in declared][2] == ("c", False)
             gone = await s.status()
             assert read[-1] == [] and [(j.name, j.undeclared) for j in gone][2] == ("c", True)
+            await s.forget("c")  # (c held the newest change number: declared again, it takes a newer one)
+            other = make(store)
+            other.every("c", "12h", lambda ctx: None, offset=QUIET)
+            async with other:
+                pass
+            again = await s.status()
+            assert [j.schedule.split()[1] for j in again] == ["1d", "1d", "12h"]
+            assert read[-1] == ["a", "c"]  # (a held the next largest: it took a new number when c was forgotten)
             await s.forget("c")
-            assert [j.name for j in await s.status()] == ["a", "b"] and read[-1] == []
+            assert [j.name for j in await s.status()] == ["a", "b"] and read[-1] == ["a"]
 
     run(main())
 
