@@ -5012,14 +5012,37 @@ def _pg_create(raw: Any, target: _PGTarget) -> int:
 
 def _pg_schema_script(target: _PGTarget, role: str) -> str:
     """What an administrator runs once (``psql -f``) to create the schema for a role that may not
-    create it: the schema, its tables and functions, and the rights the role needs to use them."""
+    create it, or to migrate the schema of an earlier version (each release that changes it): the
+    schema, its tables and functions, and the rights the role needs to use them. A schema of this
+    version or a newer one is left as it is."""
     schema, role_name = f'"{target.schema}"', '"' + role.replace('"', '""') + '"'
+
+    def run(statements: Iterable[str], indent: str) -> list[str]:
+        return [
+            f"{indent}EXECUTE $statement${target.format(statement).strip()}$statement$;" for statement in statements
+        ]
+
+    migrations = [
+        line
+        for step in sorted(_PG_MIGRATIONS)
+        for line in (f"        IF was < {step} THEN", *run(_PG_MIGRATIONS[step], " " * 12), "        END IF;")
+    ]
     lines = [
         "BEGIN;",
         f"CREATE SCHEMA IF NOT EXISTS {schema};",
         f"SET LOCAL search_path TO {schema};",
-        *(target.format(statement).strip() + ";" for statement in _PG_SCHEMA),
-        f"INSERT INTO meta (version) VALUES ({SCHEMA_VERSION});",
+        "DO $script$",
+        "DECLARE was INTEGER;",
+        "BEGIN",
+        f"    IF to_regclass('{schema}.meta') IS NULL THEN",
+        *run(_PG_SCHEMA, " " * 8),
+        f"        INSERT INTO meta (version) VALUES ({SCHEMA_VERSION});",
+        "    ELSE",
+        "        SELECT version INTO was FROM meta;",
+        *migrations,
+        f"        UPDATE meta SET version = {SCHEMA_VERSION} WHERE version < {SCHEMA_VERSION};",
+        "    END IF;",
+        "END $script$;",
         f"GRANT USAGE ON SCHEMA {schema} TO {role_name};",
         f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {schema} TO {role_name};",
         f"GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA {schema} TO {role_name};",

@@ -645,6 +645,54 @@ def test_a_role_without_create_gets_one_line_and_the_script_an_administrator_run
     assert ran == [1]
 
 
+def test_the_script_an_administrator_runs_migrates_a_schema_of_the_version_before(pg_server):
+    """A role that may not create made its schema with the script of the release before; the next
+    release must migrate it, which the role may not either: its one line names the command again,
+    and what that prints migrates the schema (it created one only, and failed on one that
+    existed), then leaves it as it is when run again."""
+    role = f"app{os.getpid()}_{next(_names)}"
+    sql(pg_server.url(), f"CREATE ROLE {role} LOGIN")
+    admin_url = pg_server.url(schema=f"s_{role}")
+    url = admin_url.replace("postgres@", f"{role}@", 1)
+    command = [sys.executable, "-m", "anarchon_lite", "--db", url]
+    admin = urllib.parse.urlsplit(pg_server.url())
+    psql = ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", admin.hostname, "-p", str(admin.port), "-U", "postgres"]
+
+    def administrator_runs_the_script():
+        script = subprocess.run([*command, "schema"], check=True, capture_output=True, text=True, timeout=60).stdout
+        return subprocess.run(psql, input=script, capture_output=True, text=True, timeout=60)
+
+    assert administrator_runs_the_script().returncode == 0
+    for statement in (  # (what version 8 added, undone: a schema of version 7)
+        "DROP TRIGGER run_taken ON runs",
+        "DROP FUNCTION record_taken",
+        "DROP TRIGGER history_ended ON history",
+        "DROP FUNCTION let_go_ended",
+        "UPDATE meta SET version = 7",
+    ):
+        sql(admin_url, statement)
+    with pytest.raises(StoreError, match=r"may not migrate .from version 7 to .* schema") as info:
+        run(Scheduler(url).trigger("nothing"))
+    assert "anarchon-lite --db URL schema" in str(info.value)
+    migrated = administrator_runs_the_script()
+    assert migrated.returncode == 0, migrated.stderr
+    assert sql(admin_url, "SELECT version FROM meta") == [(al.SCHEMA_VERSION,)]
+    ran = []
+
+    async def main():
+        s = Scheduler(url, poll=0.05)
+        s.every("job", "24h", lambda ctx: ran.append(ctx.attempt), offset=QUIET)
+        async with s:
+            await s.trigger("job")
+            await wait_for(lambda: _has(s, "job", (1, "succeeded")), message="the run")
+
+    run(main())
+    assert ran == [1] and sql(admin_url, "SELECT count(*) FROM runs") == [(0,)]
+    again = administrator_runs_the_script()
+    assert again.returncode == 0, again.stderr
+    assert sql(admin_url, "SELECT version FROM meta") == [(al.SCHEMA_VERSION,)]
+
+
 def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
     """While another process's run is running, an idle process reads the runs every 0.5 s to watch
     its owner's lock: one statement each time (it read the jobs and the newest slot too, three)."""
