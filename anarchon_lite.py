@@ -5017,7 +5017,7 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
     version or a newer one is left as it is."""
     schema, role_name = f'"{target.schema}"', '"' + role.replace('"', '""') + '"'
 
-    def run(statements: Iterable[str], indent: str) -> list[str]:
+    def executed(statements: Iterable[str], indent: str) -> list[str]:
         return [
             f"{indent}EXECUTE $statement${target.format(statement).strip()}$statement$;" for statement in statements
         ]
@@ -5025,7 +5025,7 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
     migrations = [
         line
         for step in sorted(_PG_MIGRATIONS)
-        for line in (f"        IF was < {step} THEN", *run(_PG_MIGRATIONS[step], " " * 12), "        END IF;")
+        for line in (f"        IF was < {step} THEN", *executed(_PG_MIGRATIONS[step], " " * 12), "        END IF;")
     ]
     lines = [
         "BEGIN;",
@@ -5035,7 +5035,7 @@ def _pg_schema_script(target: _PGTarget, role: str) -> str:
         "DECLARE was INTEGER;",
         "BEGIN",
         f"    IF to_regclass('{schema}.meta') IS NULL THEN",
-        *run(_PG_SCHEMA, " " * 8),
+        *executed(_PG_SCHEMA, " " * 8),
         f"        INSERT INTO meta (version) VALUES ({SCHEMA_VERSION});",
         "    ELSE",
         "        SELECT version INTO was FROM meta;",
