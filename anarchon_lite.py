@@ -4377,24 +4377,28 @@ _PG_NEWEST_TRIGGER = (  # as _SQLITE_NEWEST_TRIGGERS (names qualified: whatever 
     END $$""",
     "CREATE TRIGGER history_newest AFTER INSERT OR UPDATE OF status ON history FOR EACH ROW EXECUTE FUNCTION keep_newest()",
 )
+
+
+def _pg_trigger(name: str, event: str, condition: str, function: str, body: str) -> tuple[str, str]:
+    """A trigger ``name`` run ``event`` (``AFTER ... ON table``) for each row where ``condition``
+    holds, and the PL/pgSQL function ``function`` it runs: the one statement ``body`` (its names
+    qualified: whatever the writer's search_path)."""
+    return (
+        f"""CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        {body.format(schema="{schema}.")};
+        RETURN NULL;
+    END $$""",
+        f"CREATE TRIGGER {name} {event} FOR EACH ROW WHEN ({condition}) EXECUTE FUNCTION {function}()",
+    )
+
+
 _PG_RUN_TRIGGERS = (  # as _SQLITE_RUN_TRIGGERS (version 8)
-    f"""CREATE FUNCTION record_taken() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        {_SQL_RECORD_TAKEN.format(schema="{schema}.")};
-        RETURN NULL;
-    END $$""",
-    (
-        "CREATE TRIGGER run_taken AFTER INSERT OR UPDATE OF attempt ON runs FOR EACH ROW "
-        f"WHEN ({_SQL_RUN_TAKEN}) EXECUTE FUNCTION record_taken()"
+    *_pg_trigger(
+        "run_taken", "AFTER INSERT OR UPDATE OF attempt ON runs", _SQL_RUN_TAKEN, "record_taken", _SQL_RECORD_TAKEN
     ),
-    f"""CREATE FUNCTION let_go_ended() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        {_SQL_LET_GO_ENDED.format(schema="{schema}.")};
-        RETURN NULL;
-    END $$""",
-    (
-        "CREATE TRIGGER history_ended AFTER UPDATE OF status ON history FOR EACH ROW "
-        f"WHEN ({_SQL_RECORD_ENDED}) EXECUTE FUNCTION let_go_ended()"
+    *_pg_trigger(
+        "history_ended", "AFTER UPDATE OF status ON history", _SQL_RECORD_ENDED, "let_go_ended", _SQL_LET_GO_ENDED
     ),
 )
 _PG_TYPES = {"ms": "BIGINT", "real": "DOUBLE PRECISION", "id": "BIGSERIAL PRIMARY KEY", "new": "", "rowid": ""}

@@ -607,6 +607,31 @@ def test_a_read_only_server_is_waited_out_like_a_lost_connection(url, pg_server)
     assert max(writes) > 0.5, "no write met the read-only server"
 
 
+def administrator_runs_the_script(pg_server, url):
+    """What ``anarchon-lite --db URL schema`` prints for the role of ``url``, run once by the
+    server's superuser with psql."""
+    command = [sys.executable, "-m", "anarchon_lite", "--db", url, "schema"]
+    script = subprocess.run(command, check=True, capture_output=True, text=True, timeout=60).stdout
+    admin = urllib.parse.urlsplit(pg_server.url())
+    psql = ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", admin.hostname, "-p", str(admin.port), "-U", "postgres"]
+    return subprocess.run(psql, check=False, input=script, capture_output=True, text=True, timeout=60)
+
+
+def the_role_runs_a_job(url):
+    """The attempts of a job triggered by a scheduler of ``url``'s role, once it has succeeded."""
+    ran = []
+
+    async def main():
+        s = Scheduler(url, poll=0.05)
+        s.every("job", "24h", lambda ctx: ran.append(ctx.attempt), offset=QUIET)
+        async with s:
+            await s.trigger("job")
+            await wait_for(lambda: _has(s, "job", (1, "succeeded")), message="the run")
+
+    run(main())
+    return ran
+
+
 def test_a_role_without_create_gets_one_line_and_the_script_an_administrator_runs_once(pg_server, tmp_path):
     """The role may not create the schema: one line naming the privilege and the command that
     prints the SQL; an administrator runs that once (psql), and the role then runs its jobs."""
@@ -622,27 +647,9 @@ def test_a_role_without_create_gets_one_line_and_the_script_an_administrator_run
     done = subprocess.run([*command, "crontab", str(crontab)], check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "CREATE" in done.stderr, done.stderr
 
-    script = subprocess.run([*command, "schema"], check=True, capture_output=True, text=True, timeout=60).stdout
-    admin = urllib.parse.urlsplit(pg_server.url())
-    subprocess.run(
-        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", admin.hostname, "-p", str(admin.port), "-U", "postgres"],
-        input=script,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    ran = []
-
-    async def main():
-        s = Scheduler(url, poll=0.05)
-        s.every("job", "24h", lambda ctx: ran.append(ctx.attempt), offset=QUIET)
-        async with s:
-            await s.trigger("job")
-            await wait_for(lambda: _has(s, "job", (1, "succeeded")), message="the run")
-
-    run(main())
-    assert ran == [1]
+    done = administrator_runs_the_script(pg_server, url)
+    assert done.returncode == 0, done.stderr
+    assert the_role_runs_a_job(url) == [1]
 
 
 def test_the_script_an_administrator_runs_migrates_a_schema_of_the_version_before(pg_server):
@@ -654,15 +661,7 @@ def test_the_script_an_administrator_runs_migrates_a_schema_of_the_version_befor
     sql(pg_server.url(), f"CREATE ROLE {role} LOGIN")
     admin_url = pg_server.url(schema=f"s_{role}")
     url = admin_url.replace("postgres@", f"{role}@", 1)
-    command = [sys.executable, "-m", "anarchon_lite", "--db", url]
-    admin = urllib.parse.urlsplit(pg_server.url())
-    psql = ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", admin.hostname, "-p", str(admin.port), "-U", "postgres"]
-
-    def administrator_runs_the_script():
-        script = subprocess.run([*command, "schema"], check=True, capture_output=True, text=True, timeout=60).stdout
-        return subprocess.run(psql, check=False, input=script, capture_output=True, text=True, timeout=60)
-
-    assert administrator_runs_the_script().returncode == 0
+    assert administrator_runs_the_script(pg_server, url).returncode == 0
     for statement in (  # (what version 8 added, undone: a schema of version 7)
         "DROP TRIGGER run_taken ON runs",
         "DROP FUNCTION record_taken",
@@ -674,21 +673,11 @@ def test_the_script_an_administrator_runs_migrates_a_schema_of_the_version_befor
     with pytest.raises(StoreError, match=r"may not migrate .from version 7 to .* schema") as info:
         run(Scheduler(url).trigger("nothing"))
     assert "anarchon-lite --db URL schema" in str(info.value)
-    migrated = administrator_runs_the_script()
+    migrated = administrator_runs_the_script(pg_server, url)
     assert migrated.returncode == 0, migrated.stderr
     assert sql(admin_url, "SELECT version FROM meta") == [(al.SCHEMA_VERSION,)]
-    ran = []
-
-    async def main():
-        s = Scheduler(url, poll=0.05)
-        s.every("job", "24h", lambda ctx: ran.append(ctx.attempt), offset=QUIET)
-        async with s:
-            await s.trigger("job")
-            await wait_for(lambda: _has(s, "job", (1, "succeeded")), message="the run")
-
-    run(main())
-    assert ran == [1] and sql(admin_url, "SELECT count(*) FROM runs") == [(0,)]
-    again = administrator_runs_the_script()
+    assert the_role_runs_a_job(url) == [1] and sql(admin_url, "SELECT count(*) FROM runs") == [(0,)]
+    again = administrator_runs_the_script(pg_server, url)
     assert again.returncode == 0, again.stderr
     assert sql(admin_url, "SELECT version FROM meta") == [(al.SCHEMA_VERSION,)]
 
