@@ -11203,7 +11203,7 @@ def _parser() -> argparse.ArgumentParser:
     web.add_argument(
         "--control", action="store_true", help="buttons for trigger, pause, resume and cancel (needs a token)"
     )
-    schema = command("schema", "print the SQL that creates a PostgreSQL schema for a role that may not create it")
+    schema = command("schema", "print the SQL that creates (or migrates) a PostgreSQL schema for a role that may not")
     schema.add_argument("--role", help="the role that will use it (default: the URL's user)")
     run = command("run", "run the Scheduler that MODULE:ATTRIBUTE names")
     run.add_argument("target", help="MODULE:ATTRIBUTE, a Scheduler or a function that returns one")
