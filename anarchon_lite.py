@@ -1678,6 +1678,9 @@ class _Changes(abc.ABC):
     def close(self) -> None:
         """Stop telling of changes and let go."""
 
+    async def closed(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, for what ``close`` let go of to end (a thread of its own)."""
+
 
 class _AsyncRenewal(abc.ABC):
     """Renewals made on the event loop without blocking it, for a store whose calls wait for the
@@ -5110,6 +5113,7 @@ class _PGChanges(_Changes):
         self._waker.setblocking(False)
         #: when each run's owner was first seen with its lock free, by (job, slot, attempt)
         self._free_since: dict[tuple[str, int, int], float] = {}
+        self._ended = asyncio.Event()  #: set once the thread has closed its session
         threading.Thread(target=self._serve, name="anarchon-listen", daemon=True).start()
 
     def vouch_for(self, running: Callable[[], bool], lost: Callable[[str], None]) -> None:
@@ -5129,6 +5133,8 @@ class _PGChanges(_Changes):
         finally:
             self._wake.close()
             self._waker.close()
+            with contextlib.suppress(RuntimeError):  # (the loop is closed)
+                self._loop.call_soon_threadsafe(self._ended.set)
 
     def _sessions(self) -> None:
         pause, failing, logged = 0.5, "", 0.0
@@ -5302,6 +5308,10 @@ class _PGChanges(_Changes):
         self._closed.set()
         self._resume.set()
         self.attempt_started()  # (wakes the thread, which closes its session)
+
+    async def closed(self, timeout: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):  # (still connecting: it closes that session and ends)
+            await asyncio.wait_for(self._ended.wait(), timeout)
 
 
 class _PGLoopRenewal(_AsyncRenewal):
@@ -7628,6 +7638,9 @@ class _Notify:
 # the occurrences that came due, claims pending runs and takes over those whose owner is gone, and
 # then sleeps until the next thing due or a change told by the store.
 
+#: Seconds at most a stopping scheduler waits for its watch's thread to end (one making a
+#: PostgreSQL session ends once connected or given up: ``connect_timeout`` is 5 s by default).
+_WATCH_CLOSED = 6.0
 _CLOCK_CHECK = 5.0  # seconds between looks at the wall clock when file changes wake the scheduler
 _CLOCK_SLACK_MS = 1000  # a clock this much behind the newest recorded occurrence counts as unset
 _FULL_READ = 600.0  # seconds between reads of every job row (between them, only the changed ones)
@@ -7938,6 +7951,7 @@ class _Loop:
                     _log.warning("%s", exc)
             self._link.held = False
             self._link.close()
+            await watch.closed(_WATCH_CLOSED)
 
     async def _look_and_sleep(self) -> None:
         """One look (backing off if it fails), then the sleep until the next."""

@@ -778,6 +778,34 @@ def test_the_lock_session_is_made_again_when_the_loop_resets_at_once(url):
     run(main(), timeout=60)
 
 
+def test_a_stopped_scheduler_has_ended_its_lock_sessions_thread(url, monkeypatch):
+    """The thread that holds the lock session is a part of the scheduler: once ``stop`` (or the
+    end of ``async with``) returns, it has closed its session and ended, however late it runs
+    (held up here between the session's end and its own, as on a loaded machine: seen in CI)."""
+    import threading
+
+    watch = al._PGChanges._watch
+
+    def held_up(self, raw):
+        why = watch(self, raw)
+        time.sleep(0.3)
+        return why
+
+    monkeypatch.setattr(al._PGChanges, "_watch", held_up)
+    s = Scheduler(url)
+    s.every("job", "24h", lambda ctx: None, offset=QUIET)
+
+    async def main():
+        async with s:  # (returns once it has looked: its session is held)
+            assert [j.name for j in await s.status()] == ["job"]
+
+    try:
+        run(main(), timeout=60)
+        assert [t.name for t in threading.enumerate() if t.name == "anarchon-listen"] == []
+    finally:
+        s.close()
+
+
 def test_a_long_c_call_holding_the_gil_aborts_nothing(url):
     """A plain-function handler in one long C call holds the GIL past ``_PG_VOUCH``: the thread that
     proves the lock session is held up with everything else, and finds the session answering when
