@@ -6,6 +6,7 @@ own files."""
 import datetime as dt
 import itertools
 import os
+import random
 import shutil
 import tempfile
 import zoneinfo
@@ -111,6 +112,52 @@ def test_rrule_agrees_with_dateutil_from_2000_and_never_repeats(rule, after):
         moment = plain.after(moment)
         expected.append(moment.replace(tzinfo=UTC))
     assert found == expected, rule
+
+
+AGENDA_JOBS = 40
+AGENDA_AT = 1_800_000_000_000  # (ms: a whole number of 10 s)
+
+
+def agenda_jobs():
+    """Jobs every 10 s, looked at from their due time (as the first process does)."""
+    declared = Scheduler(os.path.join(tempfile.gettempdir(), "never-opened.db"))
+    for i in range(AGENDA_JOBS):
+        declared.every(f"job-{i}", "10s", lambda ctx: None)
+    return declared._loop._declared.jobs
+
+
+def agenda_row(i, last, paused):
+    return al._JobRow(f"job-{i}", "every 10s", int(paused), AGENDA_AT + last * 10_000, None)
+
+
+# (batches drawn as a size and a seed: hypothesis's own lists stay short, and the agenda sweeps its
+# stale places out only once they are half of it)
+AGENDA_BATCHES = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2**32)), max_size=6)
+
+
+def agenda_batch(size, seed):
+    draw = random.Random(seed)
+    return [agenda_row(draw.randrange(AGENDA_JOBS), draw.randint(-40, 40), draw.random() < 0.2) for _ in range(size)]
+
+
+@given(AGENDA_BATCHES, st.integers(-40, 40))
+@settings(max_examples=150, deadline=None)
+def test_an_agenda_updated_in_batches_reads_as_one_made_afresh(batches, now):
+    """The agenda a looking process keeps (places left behind stale, swept out once they are half
+    of it) finds what is due, what comes next and the first occurrence as one made from its rows at
+    once, after any batches of rows read again (moved, moved back, paused, resumed, unchanged)."""
+    jobs = agenda_jobs()
+    start = [agenda_row(i, i % 81 - 40, False) for i in range(AGENDA_JOBS)]
+    agenda = al._Agenda(jobs, start, lambda name, at: at)
+    now_ms = AGENDA_AT + now * 10_000
+
+    def read(agenda):
+        ready, wait = agenda.ready(now_ms, 1000.0)
+        return [row for _, row in ready], wait, agenda.next_look(), agenda.first()
+
+    for size, seed in batches:
+        agenda.update(agenda_batch(size, seed))
+        assert read(agenda) == read(al._Agenda(jobs, agenda.rows.values(), lambda name, at: at))
 
 
 LEASE = 10.0

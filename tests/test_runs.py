@@ -151,9 +151,10 @@ def test_an_occurrence_its_first_process_leaves_unclaimed_is_claimed_by_another(
     run(main())
 
 
-def test_context_fields(db, clock):
+def test_context_fields(db, clock, caplog):
     aligned(clock, 60)
     got = {}
+    caplog.set_level(logging.INFO, logger="anarchon_lite.job")
 
     async def main():
         s = make(db, clock, instance="me")
@@ -170,6 +171,8 @@ def test_context_fields(db, clock):
         assert got["job"] == "ctx" and got["attempt"] == 1 and got["instance"] == "me"
         assert got["slot"] % 60_000 == 0 and got["at"].timestamp() * 1000 == got["slot"]
         assert got["at"].tzinfo is not None
+        said = [r.getMessage() for r in caplog.records if r.name == "anarchon_lite.job.ctx"]
+        assert said == [f"[ctx slot={got['slot']} attempt=1] hello"]
 
     run(main())
 
