@@ -5113,7 +5113,7 @@ class _PGChanges(_Changes):
         self._waker.setblocking(False)
         #: when each run's owner was first seen with its lock free, by (job, slot, attempt)
         self._free_since: dict[tuple[str, int, int], float] = {}
-        self._ended = asyncio.Event()  #: set once the thread has closed its session
+        self._ended = loop.create_future()  #: done once the thread has closed its session
         threading.Thread(target=self._serve, name="anarchon-listen", daemon=True).start()
 
     def vouch_for(self, running: Callable[[], bool], lost: Callable[[str], None]) -> None:
@@ -5134,7 +5134,7 @@ class _PGChanges(_Changes):
             self._wake.close()
             self._waker.close()
             with contextlib.suppress(RuntimeError):  # (the loop is closed)
-                self._loop.call_soon_threadsafe(self._ended.set)
+                self._loop.call_soon_threadsafe(_resolve, self._ended)
 
     def _sessions(self) -> None:
         pause, failing, logged = 0.5, "", 0.0
@@ -5310,8 +5310,7 @@ class _PGChanges(_Changes):
         self.attempt_started()  # (wakes the thread, which closes its session)
 
     async def closed(self, timeout: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):  # (still connecting: it closes that session and ends)
-            await asyncio.wait_for(self._ended.wait(), timeout)
+        await asyncio.wait({self._ended}, timeout=timeout)  # (else still connecting: it closes that session and ends)
 
 
 class _PGLoopRenewal(_AsyncRenewal):
