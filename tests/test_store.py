@@ -463,25 +463,27 @@ def test_full_disk_damages_nothing(db):
 
 
 @pytest.mark.sqlite_only  # (SQLite's one write lock and its busy wait)
-def test_writes_wait_for_the_lock_instead_of_failing(db):
+@pytest.mark.parametrize("lock_poll", [None, al._LOCK_POLL])  # (SQLite's busy handler; the store's own looks)
+def test_writes_wait_for_the_lock_instead_of_failing(db, lock_poll):
     sqlite_store(db).close()
     holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
     holder.execute("BEGIN IMMEDIATE")
     threading.Timer(0.5, holder.execute, ["COMMIT"]).start()
-    s = al._SQLiteStore(db, busy_timeout=10)
+    s = al._SQLiteStore(db, busy_timeout=10, lock_poll=lock_poll)
     started = time.monotonic()
     assert isinstance(claim_due(s, OWNER), al._Claim)
     assert time.monotonic() - started >= 0.4
 
 
 @pytest.mark.sqlite_only  # (SQLite's one write lock and its busy wait)
-def test_lock_held_past_the_busy_timeout_is_a_store_error(db):
+@pytest.mark.parametrize("lock_poll", [None, al._LOCK_POLL])
+def test_lock_held_past_the_busy_timeout_is_a_store_error(db, lock_poll):
     sqlite_store(db).close()
     holder = sqlite3.connect(db, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
         with pytest.raises(StoreError, match="locked") as info:
-            claim_due(al._SQLiteStore(db, busy_timeout=0.2), OWNER)
+            claim_due(al._SQLiteStore(db, busy_timeout=0.2, lock_poll=lock_poll), OWNER)
         assert info.value.path == db
     finally:
         holder.execute("ROLLBACK")
