@@ -3838,12 +3838,13 @@ class _SQLiteFile(_SQLStore):
 
     def _read(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
         conn = self._connect()
-        deadline = time.monotonic() + self._busy_timeout
+        deadline = math.inf  # (set at the first busy answer: nothing more on the way of every read)
         while True:
             try:
                 return conn.execute(sql, args).fetchall()
             except sqlite3.OperationalError as exc:
                 if self._lock_poll and _is_busy(exc) and time.monotonic() < deadline:
+                    deadline = min(deadline, time.monotonic() + self._busy_timeout)
                     _pause(self._lock_poll)  # (a reader waits only while another process recovers the WAL)
                     continue
                 if not str(exc).startswith("Could not decode"):
