@@ -3657,6 +3657,8 @@ class _SQLiteFile(_SQLStore):
             )
             conn.create_function("lease_clock", 0, self._clock.monotonic)
             version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if self._lock_poll:
+                conn.execute("PRAGMA busy_timeout = 0")  # (``_read`` waits itself: not twice the timeout)
         except sqlite3.Error as exc:
             raise StoreError(self.path, f"cannot read the database: {self._explain(exc)}") from None
         if version > SCHEMA_VERSION:

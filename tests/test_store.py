@@ -489,6 +489,18 @@ def test_lock_held_past_the_busy_timeout_is_a_store_error(db, lock_poll):
         holder.execute("ROLLBACK")
 
 
+@pytest.mark.sqlite_only  # (SQLite's busy handler)
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_store_that_looks_for_the_lock_itself_leaves_sqlites_busy_wait_off(db, read_only):
+    """A read that meets a busy file waits in ``_read``'s own looks, up to ``busy_timeout``; a
+    read-only store (the command line's status, the status page) kept SQLite's busy handler on as
+    well, and waited twice the timeout (found by a review: SQLITE_BUSY_RECOVERY, 2.0 s for 1.0)."""
+    sqlite_store(db).close()
+    s = al._SQLiteStore(db, busy_timeout=1.0, lock_poll=al._LOCK_POLL, read_only=read_only)
+    assert s._read("PRAGMA busy_timeout") == [(0,)]
+    s.close()
+
+
 @pytest.mark.sqlite_only  # (SQLite's write lock, looked for in pauses)
 @needs_faketime
 def test_a_write_waiting_for_the_lock_under_a_faked_wall_clock_waits_and_tells_the_lock(db):
