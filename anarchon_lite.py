@@ -7310,7 +7310,10 @@ class _Agenda:
 
     A job's place, once it moves, is left behind stale rather than deleted (deleting from the front
     of 10,000 entries moves the rest: a burst of 10,000 claimed in batches of 100 spent 90 ms on it),
-    skipped where the agenda is read and swept out in one pass once they are half of it."""
+    cut off the front in one move where the agenda is read (a look that skipped them instead went
+    through every place left behind since the last sweep: 10,000 jobs every minute took 70% more
+    CPU), skipped where the agenda is read further on, and swept out in one pass once they are half
+    of it."""
 
     def __init__(self, jobs: dict[str, _Job], rows: Iterable[_JobRow], look: Callable[[str, int], int]):
         self.jobs = jobs  #: the declarations it was made for (the scheduler's)
@@ -7372,24 +7375,32 @@ class _Agenda:
             at += 1
         return at
 
+    def _trim(self) -> None:
+        """Cut the places left behind at the front off, in one move of the rest."""
+        stale = self._next(0)
+        if stale:
+            del self._keys[:stale], self._entries[:stale]
+            self._stale -= stale
+
     def first(self) -> tuple[int, str] | None:
         """The start of the next occurrence this process looks at, and its job's name (None:
         nothing is due)."""
-        at = self._next(0)
-        if at == len(self._keys):
+        self._trim()
+        if not self._keys:
             return None
-        job, row = self._entries[at]
+        job, row = self._entries[0]
         due = _next_due(job, row)
-        return (self._keys[at][0] if due is None else job.schedule.start_of(due)), job.name
+        return (self._keys[0][0] if due is None else job.schedule.start_of(due)), job.name
 
     def next_look(self) -> int | None:
         """When this process next looks at an occurrence (ms; None: nothing is due)."""
-        at = self._next(0)
-        return self._keys[at][0] if at < len(self._keys) else None
+        self._trim()
+        return self._keys[0][0] if self._keys else None
 
     def ready(self, now_ms: int, wait: float) -> tuple[list[tuple[_Job, _JobRow]], float]:
         """The jobs with an occurrence due by ``now_ms`` (its start: its time and its jitter; each
         with its row), and the seconds until the next occurrence of the others is due, at most ``wait``."""
+        self._trim()
         keys = self._keys
         count = bisect.bisect_left(keys, (now_ms + 1,))
         after = self._next(count)

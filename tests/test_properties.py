@@ -160,6 +160,26 @@ def test_an_agenda_updated_in_batches_reads_as_one_made_afresh(batches, now):
         assert read(agenda) == read(al._Agenda(jobs, agenda.rows.values(), lambda name, at: at))
 
 
+def test_a_look_goes_through_the_places_left_behind_once(monkeypatch):
+    """The places a moved job left behind at the front of the agenda are gone after one look: each
+    look after it starts at the first live place (a look that went through every place left behind
+    since the last sweep made 10,000 jobs every minute cost 70% more CPU)."""
+    jobs = agenda_jobs()
+    agenda = al._Agenda(jobs, [agenda_row(i, i - AGENDA_JOBS, False) for i in range(AGENDA_JOBS)], lambda name, at: at)
+    agenda.update(agenda_row(i, 40, False) for i in range(30))  # the 30 earliest run: each one's place is left behind
+    looked = []
+    live = al._Agenda._live
+    monkeypatch.setattr(al._Agenda, "_live", lambda self, key: looked.append(key) or live(self, key))
+    assert agenda.next_look() == AGENDA_AT + (30 - AGENDA_JOBS + 1) * 10_000  # job-30's next occurrence
+    assert len(looked) == 31  # the 30 places left behind, then job-30's
+    for read in (agenda.next_look, agenda.first, lambda: agenda.ready(AGENDA_AT, 1000.0)):
+        looked.clear()
+        read()
+        assert len(looked) <= 2, read  # (the first place; for ready, the first after what is due too)
+    fresh = al._Agenda(jobs, agenda.rows.values(), lambda name, at: at)
+    assert (agenda.first(), agenda.next_look()) == (fresh.first(), fresh.next_look())
+
+
 LEASE = 10.0
 SLOT = 1_000_000
 
