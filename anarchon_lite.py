@@ -7958,15 +7958,22 @@ class _Loop:
         return -1.0 if self._claimable else self._read_real + watch.coalesce - time.monotonic()
 
     def _found(self, runs: list[_RunRow]) -> None:
-        """Keep the runs just read. One waiting to be claimed now (triggered, handed over, due a
-        retry) is about to be claimed, by this process or another: what is told next is read at
-        once, not with what comes in the next ``coalesce``. A process that read a run triggered
-        and saw another claim it learnt of the claim only at the next read, up to half a second
-        later, and of the owner's death or hand-over no sooner: one takeover in ten or fifteen
-        took 0.2-0.5 s instead of 5 ms."""
+        """Keep the runs just read. One of a job this process declares, waiting to be claimed now
+        (triggered, handed over, due a retry), is about to be claimed, by this process or another
+        that declares it: what is told next is read at once, not with what comes in the next
+        ``coalesce``, and what was told and held meanwhile is read now. A process that read a run
+        triggered and saw another claim it learnt of the claim only at the next read, up to half a
+        second later, and of the owner's death or hand-over no sooner: one takeover in ten or
+        fifteen took 0.2-0.5 s instead of 5 ms. (A run no process here would claim, a job's that
+        is declared elsewhere or no more, may wait for long: it leaves the coalescing alone.)"""
         self._runs, self._read_at = runs, self._clock.monotonic()
-        now_ms = _ms(self._clock.time())
-        self._claimable = any(run.state == "pending" and run.not_before <= now_ms for run in runs)
+        now_ms, jobs = _ms(self._clock.time()), self._declared.jobs
+        self._claimable = not self.stopping and any(
+            run.state == "pending" and run.not_before <= now_ms and run.job in jobs for run in runs
+        )
+        if self._claimable and self._told is not None:
+            self._told.cancel()
+            self._told_now()
 
     def _told_now(self) -> None:
         self._told = None

@@ -1074,25 +1074,28 @@ def test_an_on_failure_that_raises_is_logged_and_the_scheduler_carries_on(db, ca
 
 
 def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once(db, monkeypatch):
-    """A process whose last read found a run waiting to be claimed reads what it is told next at
-    once, not with what the store's ``coalesce`` gathers: another process's claim of it (and then
-    the owner's death or hand-over) was known only at the next read, and one takeover in ten or
-    fifteen took 0.2-0.5 s instead of 5 ms. (``coalesce`` made 30 s here: the read it would wait
-    for does not come within the test.)"""
+    """A process whose last read found a run of its own jobs waiting to be claimed reads what it is
+    told next at once, not with what the store's ``coalesce`` gathers: another process's claim of
+    it (and then the owner's death or hand-over) was known only at the next read, and one takeover
+    in ten or fifteen took 0.2-0.5 s instead of 5 ms. (``coalesce`` made 30 s here: the read it
+    would wait for does not come within the test.)"""
     for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
         monkeypatch.setattr(watch, "coalesce", 30.0)
 
     def runs_of(s):
         return [(r.state, r.attempt) for r in s._loop._runs or [] if r.job == "long"]
 
+    def loses(original, *args, **kwargs):  # (b's claims of the pending run lose: a takes it)
+        return None
+
     async def main():
-        a, b = make(db, instance="a"), make(db, instance="b")  # (b does not declare the job: a claims it)
+        a, b = make(db, instance="a"), make(db, instance="b", store=faulty(claim=loses))
+        for s in (a, b):
 
-        @a.every("long", "24h", offset=QUIET)
-        async def long(ctx):
-            await ctx.signal.wait()
+            @s.every("long", "24h", offset=QUIET)
+            async def long(ctx):
+                await ctx.signal.wait()
 
-        b.every("other", "24h", lambda ctx: None, offset=QUIET)
         async with a, b:
             await wait_for(lambda: all(s._loop.ready is not None and s._loop.ready.is_set() for s in (a, b)))
             await b.trigger("long")  # (b looks at once; a is told, and would read it with what comes next)
@@ -1102,6 +1105,60 @@ def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once
             await wait_for(lambda: runs_of(b) == [("running", 1)], message="b reads the claim")
 
     run(main(), timeout=60)
+
+
+@pytest.mark.sqlite_only  # (the writer is another connection's commits, which the file watch tells)
+def test_a_run_waiting_for_a_job_declared_elsewhere_leaves_the_reads_coalesced(db):
+    """A run waiting to be claimed that no running process here would claim (its job is declared by
+    a process that stopped and handed it over) does not turn off the coalescing of told changes: a
+    process that does not declare its job read at every commit of the others while it waited."""
+    import sqlite3
+
+    reads, writes = [], []
+
+    def runs(original):
+        reads.append(1)
+        return original()
+
+    counted, _ = counting_looks(runs=runs)
+    stop = threading.Event()
+
+    def writer():  # another process's commits, as far as the scheduler can tell (a checkpoint of no run)
+        conn = sqlite3.connect(db, isolation_level=None)
+        try:
+            while not stop.wait(0.005):
+                conn.execute("INSERT OR REPLACE INTO checkpoints VALUES ('quiet', 0, '0', ?, 1)", (time.time_ns(),))
+                writes.append(1)
+        finally:
+            conn.close()
+
+    async def main():
+        a, b = make(db, instance="a"), make(db, instance="b", store=counted)
+
+        @a.every("x", "24h", offset=QUIET)
+        async def x(ctx):
+            await ctx.signal.sleep(3600)  # (raises when a stops: the run is handed over)
+
+        b.every("y", "24h", lambda ctx: None, offset=QUIET)
+        async with b:
+            async with a:
+                await a.trigger("x")
+                await wait_for(lambda: "x" in {r.job for r in a._loop._runs or []}, message="a runs x")
+            # (a stopped: x's run handed over, pending, due now; b does not declare x)
+            await wait_for(lambda: [r.state for r in b._loop._runs or []] == ["pending"], message="b reads it")
+            thread = threading.Thread(target=writer)
+            thread.start()
+            try:
+                await wait_for(lambda: len(writes) >= 20, message="the first writes")
+                first = len(reads), len(writes)
+                await wait_for(lambda: len(writes) >= first[1] + 200, timeout=60, message="200 more writes")
+                counted_reads, counted_writes = len(reads) - first[0], len(writes) - first[1]
+            finally:
+                stop.set()
+                await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        assert counted_reads <= counted_writes / 5, f"{counted_reads} reads for {counted_writes} writes"
+
+    run(main(), timeout=90)
 
 
 @pytest.mark.sqlite_only  # (the file watch tells a write before its commit is visible; PostgreSQL's notices come after)
