@@ -7961,19 +7961,16 @@ class _Loop:
         """Keep the runs just read. One of a job this process declares, waiting to be claimed now
         (triggered, handed over, due a retry), is about to be claimed, by this process or another
         that declares it: what is told next is read at once, not with what comes in the next
-        ``coalesce``, and what was told and held meanwhile is read now. A process that read a run
-        triggered and saw another claim it learnt of the claim only at the next read, up to half a
-        second later, and of the owner's death or hand-over no sooner: one takeover in ten or
-        fifteen took 0.2-0.5 s instead of 5 ms. (A run no process here would claim, a job's that
-        is declared elsewhere or no more, may wait for long: it leaves the coalescing alone.)"""
+        ``coalesce``. A process that read a run triggered and saw another claim it learnt of the
+        claim only at the next read, up to half a second later, and of the owner's death or
+        hand-over no sooner: one takeover in ten or fifteen took 0.2-0.5 s instead of 5 ms. (A run
+        no process here would claim, a job's that is declared elsewhere or no more, may wait for
+        long: it leaves the coalescing alone.)"""
         self._runs, self._read_at = runs, self._clock.monotonic()
         now_ms, jobs = _ms(self._clock.time()), self._declared.jobs
         self._claimable = not self.stopping and any(
             run.state == "pending" and run.not_before <= now_ms and run.job in jobs for run in runs
         )
-        if self._claimable and self._told is not None:
-            self._told.cancel()
-            self._told_now()
 
     def _told_now(self) -> None:
         self._told = None

@@ -1073,12 +1073,14 @@ def test_an_on_failure_that_raises_is_logged_and_the_scheduler_carries_on(db, ca
     assert any("the mail server is down" in m for m in said) and any("no route to host" in m for m in said)
 
 
-def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once(db, monkeypatch):
+@pytest.mark.parametrize("held", [False, True], ids=["", "a change held before"])
+def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once(db, monkeypatch, held):
     """A process whose last read found a run of its own jobs waiting to be claimed reads what it is
     told next at once, not with what the store's ``coalesce`` gathers: another process's claim of
     it (and then the owner's death or hand-over) was known only at the next read, and one takeover
-    in ten or fifteen took 0.2-0.5 s instead of 5 ms. (``coalesce`` made 30 s here: the read it
-    would wait for does not come within the test.)"""
+    in ten or fifteen took 0.2-0.5 s instead of 5 ms. A change told before, which the process was
+    holding for later (its watch held meanwhile), is read then too. (``coalesce`` made 30 s here:
+    the read it would wait for does not come within the test.)"""
     for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
         monkeypatch.setattr(watch, "coalesce", 30.0)
 
@@ -1089,15 +1091,20 @@ def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once
         return None
 
     async def main():
-        a, b = make(db, instance="a"), make(db, instance="b", store=faulty(claim=loses))
+        # (told of changes, not polling: a store's watch holds what is told for later)
+        a, b = make(db, instance="a", poll=None), make(db, instance="b", poll=None, store=faulty(claim=loses))
         for s in (a, b):
 
             @s.every("long", "24h", offset=QUIET)
             async def long(ctx):
                 await ctx.signal.wait()
 
+            s.every("other", "24h", lambda ctx: None, offset=QUIET)
         async with a, b:
             await wait_for(lambda: all(s._loop.ready is not None and s._loop.ready.is_set() for s in (a, b)))
+            if held:  # (another process's write, within the 30 s of b's last read: b holds it for later)
+                await make(db, instance="c").pause("other")
+                await wait_for(lambda: b._loop._told is not None, message="b holds the change")
             await b.trigger("long")  # (b looks at once; a is told, and would read it with what comes next)
             await wait_for(lambda: runs_of(b) == [("pending", 0)], message="b reads the run triggered")
             a._loop.poke()
