@@ -2,6 +2,7 @@
 clock jumps, what careless handlers cannot do, records and their pruning."""
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -1073,6 +1074,45 @@ def test_an_on_failure_that_raises_is_logged_and_the_scheduler_carries_on(db, ca
     assert any("the mail server is down" in m for m in said) and any("no route to host" in m for m in said)
 
 
+def _reads_counted():
+    """A ``store=`` for ``Scheduler`` counting its reads of the runs, the list they go to, and its looks."""
+    reads = []
+
+    def runs(original):
+        reads.append(1)
+        return original()
+
+    counted, looks = counting_looks(runs=runs)
+    return counted, reads, looks
+
+
+@contextlib.asynccontextmanager
+async def _committing(db):
+    """Another process's commits (``_commits``) while inside; gives the list that counts them."""
+    writes, stop = [], threading.Event()
+    thread = threading.Thread(target=_commits, args=(db, stop, writes))
+    thread.start()
+    try:
+        yield writes
+    finally:
+        stop.set()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+
+
+def _commits(db, stop, writes):
+    """Another process's commits every 5 ms until ``stop`` is set, as far as a scheduler can tell (a
+    checkpoint of no run), each counted in ``writes``."""
+    import sqlite3
+
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        while not stop.wait(0.005):
+            conn.execute("INSERT OR REPLACE INTO checkpoints VALUES ('quiet', 0, '0', ?, 1)", (time.time_ns(),))
+            writes.append(1)
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize("held", [False, True], ids=["", "a change held before"])
 def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once(db, monkeypatch, held):
     """A process whose last read found a run of its own jobs waiting to be claimed reads what it is
@@ -1119,25 +1159,7 @@ def test_a_run_waiting_for_a_job_declared_elsewhere_leaves_the_reads_coalesced(d
     """A run waiting to be claimed that no running process here would claim (its job is declared by
     a process that stopped and handed it over) does not turn off the coalescing of told changes: a
     process that does not declare its job read at every commit of the others while it waited."""
-    import sqlite3
-
-    reads, writes = [], []
-
-    def runs(original):
-        reads.append(1)
-        return original()
-
-    counted, _ = counting_looks(runs=runs)
-    stop = threading.Event()
-
-    def writer():  # another process's commits, as far as the scheduler can tell (a checkpoint of no run)
-        conn = sqlite3.connect(db, isolation_level=None)
-        try:
-            while not stop.wait(0.005):
-                conn.execute("INSERT OR REPLACE INTO checkpoints VALUES ('quiet', 0, '0', ?, 1)", (time.time_ns(),))
-                writes.append(1)
-        finally:
-            conn.close()
+    counted, reads, _ = _reads_counted()
 
     async def main():
         a, b = make(db, instance="a"), make(db, instance="b", store=counted)
@@ -1153,16 +1175,11 @@ def test_a_run_waiting_for_a_job_declared_elsewhere_leaves_the_reads_coalesced(d
                 await wait_for(lambda: "x" in {r.job for r in a._loop._runs or []}, message="a runs x")
             # (a stopped: x's run handed over, pending, due now; b does not declare x)
             await wait_for(lambda: [r.state for r in b._loop._runs or []] == ["pending"], message="b reads it")
-            thread = threading.Thread(target=writer)
-            thread.start()
-            try:
+            async with _committing(db) as writes:
                 await wait_for(lambda: len(writes) >= 20, message="the first writes")
                 first = len(reads), len(writes)
                 await wait_for(lambda: len(writes) >= first[1] + 200, timeout=60, message="200 more writes")
                 counted_reads, counted_writes = len(reads) - first[0], len(writes) - first[1]
-            finally:
-                stop.set()
-                await asyncio.get_running_loop().run_in_executor(None, thread.join)
         assert counted_reads <= counted_writes / 5, f"{counted_reads} reads for {counted_writes} writes"
 
     run(main(), timeout=90)
@@ -1174,40 +1191,18 @@ def test_a_file_written_all_the_time_is_looked_at_about_once_a_read(db):
     store's ``coalesce`` has passed since its last read, and looks little in between: a write told
     right after a read used to start looks 5, 25 and 125 ms later, each finding a change it would
     not read yet (a third of a busy fleet's looks)."""
-    import sqlite3
-
-    reads = []
-
-    def runs(original):
-        reads.append(1)
-        return original()
-
-    counted, looks = counting_looks(runs=runs)
-    stop = threading.Event()
-
-    def writer():  # another process's commits, as far as the scheduler can tell (a checkpoint of no run)
-        conn = sqlite3.connect(db, isolation_level=None)
-        try:
-            while not stop.wait(0.005):
-                conn.execute("INSERT OR REPLACE INTO checkpoints VALUES ('quiet', 0, '0', ?, 1)", (time.time_ns(),))
-        finally:
-            conn.close()
+    counted, reads, looks = _reads_counted()
 
     async def main():
         s = Scheduler(db, store=counted)
         s.every("quiet", "24h", lambda ctx: None, offset=QUIET)
         async with s:
             await wait_for(lambda: s._loop.ready is not None and s._loop.ready.is_set(), message="ready")
-            thread = threading.Thread(target=writer)
-            thread.start()
-            try:
+            async with _committing(db):
                 await wait_for(lambda: len(reads) >= 3, message="the first reads of the writes")
                 first = len(reads), len(looks)
                 await wait_for(lambda: len(reads) >= first[0] + 12, timeout=30, message="twelve more reads")
                 counted_reads, counted_looks = len(reads) - first[0], len(looks) - first[1]
-            finally:
-                stop.set()
-                await asyncio.get_running_loop().run_in_executor(None, thread.join)
         assert counted_looks <= 1.5 * counted_reads, f"{counted_looks} looks for {counted_reads} reads"
 
     run(main(), timeout=60)
