@@ -5143,7 +5143,8 @@ class _PGChanges(_Changes):
         #: when each run's owner was first seen with its lock free, by (job, slot, attempt)
         self._free_since: dict[tuple[str, int, int], float] = {}
         self._ended = loop.create_future()  #: done once the thread has closed its session
-        threading.Thread(target=self._serve, name="anarchon-listen", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="anarchon-listen", daemon=True)
+        self._thread.start()
 
     def vouch_for(self, running: Callable[[], bool], lost: Callable[[str], None]) -> None:
         self._running, self._on_lost = running, lost
@@ -5340,6 +5341,8 @@ class _PGChanges(_Changes):
 
     async def closed(self, timeout: float) -> None:
         await asyncio.wait({self._ended}, timeout=timeout)  # (else still connecting: it closes that session and ends)
+        if self._ended.done():  # (it has only its return left, but may wait for a core to make it)
+            self._thread.join(timeout)
 
 
 class _PGLoopRenewal(_AsyncRenewal):
