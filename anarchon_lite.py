@@ -82,6 +82,7 @@ import unicodedata
 import zlib
 import zoneinfo
 from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
+from queue import SimpleQueue
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -6333,24 +6334,71 @@ class _Declarations:
 ###############################################################################
 
 
+_STORE_THREADS: set[_StoreThread] = set()  #: the store threads alive, each told to end at the interpreter's exit
+_STORE_THREADS_TOLD = False  #: whether ``_end_store_threads`` is registered
+
+
+def _end_store_threads() -> None:
+    """At the interpreter's exit, before it waits for its threads: each store thread ends after
+    the calls queued to it (a stop's last writes land; an idle thread does not hold the exit up)."""
+    for thread in list(_STORE_THREADS):
+        thread.close()
+
+
 class _StoreThread:
-    """The thread on which the scheduler's store connection lives; calls are queued to it."""
+    """The thread on which the scheduler's store connection lives; calls are queued to it, and
+    each answer is handed back to the awaiting loop as one callback on one future. (An executor's
+    future, wrapped for the loop and shielded, took the loop four turns and five callbacks to
+    resume the caller; a claim, an end and a read are each one of these hops.)"""
 
     def __init__(self, store: _Store):
         self.store = store
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="anarchon-store")
+        self._calls: SimpleQueue[
+            tuple[Callable[[_Store], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
+        ] = SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="anarchon-store")
+        global _STORE_THREADS_TOLD
+        if not _STORE_THREADS_TOLD:  # (before the interpreter waits for its threads; once a process)
+            with contextlib.suppress(RuntimeError):  # (already exiting: the thread is made and ended now)
+                threading._register_atexit(_end_store_threads)  # type: ignore[attr-defined]
+            _STORE_THREADS_TOLD = True
+        _STORE_THREADS.add(self)
+        self._thread.start()
 
     async def call(self, work: Callable[[_Store], T]) -> T:
-        future = self._executor.submit(work, self.store)
-        return await asyncio.shield(asyncio.wrap_future(future))
+        """``work(store)`` on the thread; it completes even if the awaiting task is cancelled."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put((work, loop, future))
+        return await future
+
+    def _serve(self) -> None:
+        try:
+            while (call := self._calls.get()) is not None:
+                self._answer(*call)
+                del call  # (nothing of a call is kept while the thread waits for the next)
+        finally:
+            with contextlib.suppress(Exception):
+                self.store.close()
+            _STORE_THREADS.discard(self)
+
+    def _answer(
+        self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
+    ) -> None:
+        try:
+            result = work(self.store)
+        except BaseException as exc:  # noqa: BLE001 - the caller's to judge
+            _hand_back(loop, _set_exception, future, exc)
+        else:
+            _hand_back(loop, _set_result, future, result)
 
     def close(self) -> None:
-        self._executor.submit(self.store.close)
-        self._executor.shutdown(wait=False)
+        """End the thread, and close its connection, after the calls queued before this."""
+        self._calls.put(None)
 
     def join(self) -> None:
         """Wait for the thread to end (after ``close``)."""
-        self._executor.shutdown(wait=True)
+        self._thread.join()
 
 
 class _StoreLink:

@@ -212,6 +212,76 @@ def test_calls_outside_a_run_leave_no_thread_or_connection_behind(db):
     run(main())
 
 
+def test_a_store_call_whose_caller_is_cancelled_completes_and_the_next_call_is_answered(db):
+    """Cancelling the task that awaits a call to the store's thread does not cancel the call: its
+    transaction completes (a claim won is recorded whatever the caller does), and the thread
+    answers the calls queued after it."""
+    began, finish, finished = threading.Event(), threading.Event(), []
+
+    def slow(store):
+        began.set()
+        finish.wait(10)
+        finished.append([row.name for row in store.jobs(-1)])
+        return "slow"
+
+    async def main():
+        s = make(db)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        link = s._link
+        link.held = True  # (as while serving: the thread stays between calls)
+        try:
+            await link.call(lambda store: None)  # (the job recorded)
+            caller = asyncio.ensure_future(link.call(slow))
+            await asyncio.get_running_loop().run_in_executor(None, began.wait, 10)
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            after = asyncio.ensure_future(link.call(lambda store: [row.name for row in store.jobs(-1)]))
+            finish.set()
+            assert await asyncio.wait_for(after, 10) == ["job"]
+            assert finished == [["job"]]
+        finally:
+            finish.set()
+            link.held = False
+            link.close(wait=True)
+
+    run(main())
+
+
+def test_a_process_that_never_closed_its_store_thread_exits_after_its_last_call(db):
+    """A program that leaves without closing the store's thread (its scheduler's loop torn down
+    before the stop ran) exits: the thread ends at the interpreter's exit, after the calls queued
+    to it, which land."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import asyncio, anarchon_lite as al\n"
+        f"s = al.Scheduler({db!r})\n"
+        "s.every('job', '24h', lambda ctx: None)\n"
+        "s._link.held = True\n"
+        "async def main():\n"
+        "    await s.trigger('job')\n"
+        "    loop = asyncio.get_running_loop()\n"
+        "    s._link._thread._calls.put((lambda store: store.set_paused('job', True, 0), loop, loop.create_future()))\n"
+        "asyncio.run(main())\n"
+        "print('left')\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": root},
+        cwd=root,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (0, "left\n"), done.stderr
+    assert [job.paused for job in run(make(db).status())] == [True]
+
+
 @pytest.mark.sqlite_only  # (the file's connections: what Python 3.13 warns of when one is left unclosed)
 def test_a_web_app_s_calls_then_close_leave_nothing_unclosed_under_dev_mode(db):
     """Under ``-X dev`` with ResourceWarning an error: a scheduler started in a thread, control
