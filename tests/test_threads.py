@@ -4,8 +4,11 @@ interval, the store's thread, a scheduler in a thread of its own, and what is le
 import asyncio
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import QUIET, run, wait_for
@@ -248,14 +251,25 @@ def test_a_store_call_whose_caller_is_cancelled_completes_and_the_next_call_is_a
     run(main())
 
 
+def python(script, *flags):
+    """Run ``script`` in a Python process of its own (this checkout's module on its path), ended
+    within a minute."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return subprocess.run(
+        [sys.executable, *flags, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": root},
+        cwd=root,
+        check=False,
+    )
+
+
 def test_a_process_that_never_closed_its_store_thread_exits_after_its_last_call(db):
     """A program that leaves without closing the store's thread (its scheduler's loop torn down
     before the stop ran) exits: the thread ends at the interpreter's exit, after the calls queued
     to it, which land."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = (
         "import asyncio, anarchon_lite as al\n"
         f"s = al.Scheduler({db!r})\n"
@@ -268,16 +282,7 @@ def test_a_process_that_never_closed_its_store_thread_exits_after_its_last_call(
         "asyncio.run(main())\n"
         "print('left')\n"
     )
-    root = str(Path(__file__).resolve().parent.parent)
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": root},
-        cwd=root,
-        check=False,
-    )
+    done = python(script)
     assert (done.returncode, done.stdout) == (0, "left\n"), done.stderr
     assert [job.paused for job in run(make(db).status())] == [True]
 
@@ -286,11 +291,6 @@ def test_a_process_that_never_closed_its_store_thread_exits_after_its_last_call(
 def test_a_web_app_s_calls_then_close_leave_nothing_unclosed_under_dev_mode(db):
     """Under ``-X dev`` with ResourceWarning an error: a scheduler started in a thread, control
     calls, ``close()``, and the interpreter's exit print no warning and exit 0."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = (
         "import anarchon_lite as al\n"
         f"s = al.Scheduler({db!r})\n"
@@ -302,16 +302,7 @@ def test_a_web_app_s_calls_then_close_leave_nothing_unclosed_under_dev_mode(db):
         f"assert [j.name for j in al.Control({db!r}, read_only=True).status()] == ['job']\n"
         "s.close()\n"
     )
-    root = str(Path(__file__).resolve().parent.parent)
-    done = subprocess.run(
-        [sys.executable, "-X", "dev", "-W", "error::ResourceWarning", "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": root},
-        cwd=root,
-        check=False,
-    )
+    done = python(script, "-X", "dev", "-W", "error::ResourceWarning")
     assert done.returncode == 0 and "Warning" not in done.stderr, done.stderr
 
 
