@@ -6345,17 +6345,30 @@ def _end_store_threads() -> None:
         thread.close()
 
 
+#: Called on the event loop with a store call's result, or the exception it raised (``submit``).
+_Answer = Callable[[Any, Optional[BaseException]], None]
+
+
+def _fill(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    """A store call's ``_Answer`` into ``future``."""
+    if exc is not None:
+        _set_exception(future, exc)
+    else:
+        _set_result(future, result)
+
+
 class _StoreThread:
     """The thread on which the scheduler's store connection lives; calls are queued to it, and
-    each answer is handed back to the awaiting loop as one callback on one future. (An executor's
-    future, wrapped for the loop and shielded, took the loop four turns and five callbacks to
-    resume the caller; a claim, an end and a read are each one of these hops.)"""
+    each answer is handed back to its loop as one callback (``submit``), or as the result of one
+    future (``call``). (An executor's future, wrapped for the loop and shielded, took the loop four
+    turns and five callbacks to resume the caller; a claim, an end and a read are each one of these
+    hops.)"""
 
     def __init__(self, store: _Store):
         self.store = store
-        self._calls: SimpleQueue[
-            tuple[Callable[[_Store], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
-        ] = SimpleQueue()
+        self._calls: SimpleQueue[tuple[Callable[[_Store], Any], asyncio.AbstractEventLoop, _Answer] | None] = (
+            SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._serve, name="anarchon-store")
         global _STORE_THREADS_TOLD
         if not _STORE_THREADS_TOLD:  # (before the interpreter waits for its threads; once a process)
@@ -6365,11 +6378,16 @@ class _StoreThread:
         _STORE_THREADS.add(self)
         self._thread.start()
 
+    def submit(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> None:
+        """``work(store)`` on the thread, then ``answer(result, None)`` or ``answer(None, exception)``
+        on ``loop``."""
+        self._calls.put((work, loop, answer))
+
     async def call(self, work: Callable[[_Store], T]) -> T:
         """``work(store)`` on the thread; it completes even if the awaiting task is cancelled."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._calls.put((work, loop, future))
+        self.submit(work, loop, functools.partial(_fill, future))
         return await future
 
     def _serve(self) -> None:
@@ -6382,15 +6400,13 @@ class _StoreThread:
                 self.store.close()
             _STORE_THREADS.discard(self)
 
-    def _answer(
-        self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]
-    ) -> None:
+    def _answer(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> None:
         try:
             result = work(self.store)
         except BaseException as exc:  # noqa: BLE001 - the caller's to judge
-            _hand_back(loop, _set_exception, future, exc)
+            _hand_back(loop, answer, None, exc)
         else:
-            _hand_back(loop, _set_result, future, result)
+            _hand_back(loop, answer, result, None)
 
     def close(self) -> None:
         """End the thread, and close its connection, after the calls queued before this."""
@@ -6430,31 +6446,37 @@ class _StoreLink:
     async def call(self, work: Callable[[_Store], T]) -> T:
         """Run ``work(store)`` on the store's thread; the transaction completes even if the
         awaiting task is cancelled."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.submit(work, functools.partial(_fill, future))
+        return await future
+
+    def submit(self, work: Callable[[_Store], Any], answer: _Answer) -> None:
+        """As ``call``, with no task to resume: ``answer(result, exception)`` is called on the loop
+        once the thread has run ``work``."""
         if self._thread is None:
             self._thread = _StoreThread(self.backend.control_store())
-        thread = self._thread
-        try:
-            declared = self.declarations
-            version = declared.version
-            if self._recorded == version or not declared.jobs:
-                self._recorded = version
-                return await thread.call(work)
+        declared = self.declarations
+        version = declared.version
+        rows: list[list[_JobRow]] = []
+        run = work
+        if self._recorded == version or not declared.jobs:
+            self._recorded = version
+        else:
             now = _ms(self._clock.time())
-            rows: list[list[_JobRow]] = []
 
-            def record_first(store: _Store) -> T:
+            def run(store: _Store) -> Any:  # (the declarations recorded first, in the same hop)
                 rows.append(store.register(declared.rows(now)))
                 return work(store)
 
-            try:
-                return await thread.call(record_first)
-            finally:
-                if rows:
-                    self._recorded = version
-                    declared.disagree(rows[0], "now holds this one's")
-        finally:
+        def answered(result: Any, exc: BaseException | None) -> None:
+            if rows:
+                self._recorded = version
+                declared.disagree(rows[0], "now holds this one's")
             if not self.held:
                 self.close()
+            answer(result, exc)
+
+        self._thread.submit(run, asyncio.get_running_loop(), answered)
 
     async def disconnect(self) -> None:
         """Close the connection and keep the thread: the next call connects again, and records."""
@@ -7040,7 +7062,6 @@ class _Runner:
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
         self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  #: attempts' ends waiting to be written
-        self._writers: set[asyncio.Task[None]] = set()
         self._heartbeats: _Heartbeats | None = None
         self._timers: _Timers | None = None
         self._watchdog: _Watchdog | None = None
@@ -7298,37 +7319,44 @@ class _Runner:
     async def _finish(self, end: _End) -> bool:
         """Write an attempt's end. The ends of attempts that finish together are written in one
         transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
         self._ends.append((end, future))
         if len(self._ends) == 1:
-            task = asyncio.get_running_loop().create_task(self._write_ends())
-            self._writers.add(task)
-            task.add_done_callback(self._writers.discard)
+            loop.call_soon(self._write_ends)  # (after the attempts ending in this turn of the loop)
         return await future
 
-    async def _write_ends(self) -> None:
-        await asyncio.sleep(0)  # the attempts ending in this turn of the loop join the batch
+    def _write_ends(self) -> None:
+        """Send the ends waiting to the store in one call; no task: the store's answer is handed
+        to ``_written`` (a task with a turn to gather the ends took the loop three turns more)."""
         batch, self._ends = self._ends, []
-        await self._write_batch(batch)
+        self._write_batch(batch)
 
-    async def _write_batch(self, batch: list[tuple[_End, asyncio.Future[bool]]]) -> None:
+    def _write_batch(self, batch: list[tuple[_End, asyncio.Future[bool]]]) -> None:
+        ends = [end for end, _ in batch]
         try:
-            results = await self._link.call(lambda s: s.finish_many(self._instance, [end for end, _ in batch]))
-        except BaseException as exc:  # every waiting attempt gets it (a StoreError: each retries)
+            self._link.submit(lambda s: s.finish_many(self._instance, ends), functools.partial(self._written, batch))
+        except Exception as exc:  # noqa: BLE001 - (the store could not be opened) every waiting attempt gets it
+            self._written(batch, None, exc)
+
+    def _written(
+        self, batch: list[tuple[_End, asyncio.Future[bool]]], results: list[bool] | None, exc: BaseException | None
+    ) -> None:
+        """The store's answer to a batch of ends, to the attempts waiting for it."""
+        if exc is not None:  # every waiting attempt gets it (a StoreError: each retries)
             if isinstance(exc, Exception) and not isinstance(exc, StoreError) and len(batch) > 1:
                 for one in batch:  # not the store: one end's own fault, never its neighbours'
-                    await self._write_batch([one])
+                    self._write_batch([one])
                 return
             for _, future in batch:
                 _set_exception(future, exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            for (_, future), written in zip(batch, results):
-                _set_result(future, written)
-            self.ends_written()
-            if self._link.untidy:
-                self.untidy()
+            return
+        assert results is not None
+        for (_, future), written in zip(batch, results):
+            _set_result(future, written)
+        self.ends_written()
+        if self._link.untidy:
+            self.untidy()
 
 
 ###############################################################################

@@ -278,7 +278,7 @@ def test_a_process_that_never_closed_its_store_thread_exits_after_its_last_call(
         "async def main():\n"
         "    await s.trigger('job')\n"
         "    loop = asyncio.get_running_loop()\n"
-        "    s._link._thread._calls.put((lambda store: store.set_paused('job', True, 0), loop, loop.create_future()))\n"
+        "    s._link._thread.submit(lambda store: store.set_paused('job', True, 0), loop, lambda result, exc: None)\n"
         "asyncio.run(main())\n"
         "print('left')\n"
     )
