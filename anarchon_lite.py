@@ -1434,6 +1434,13 @@ class _Store(abc.ABC):
         recorded without running (skipped because an earlier run is unfinished, or missed), else the
         claim of attempt 1."""
 
+    @abc.abstractmethod
+    def end_and_claim(
+        self, owner: str, now_ms: int, ends: Sequence[_End], due: Sequence[_Due]
+    ) -> tuple[list[bool], list[_Claimed]]:
+        """``finish_many(owner, ends)`` then ``claim_due_many(owner, now_ms, due)``, in one
+        transaction; both answers."""
+
     def claim_due(self, owner: str, now_ms: int, due: _Due) -> _Claimed:
         """``claim_due_many`` for one job."""
         return self.claim_due_many(owner, now_ms, [due])[0]
@@ -2555,6 +2562,18 @@ def _renewal(owner: str, claims: Sequence[_Claim]) -> tuple[str, list[Any]]:
     return _SQL_RENEW_ALL.format(rows=rows), [owner, *(v for c in claims for v in (c.job, c.slot, c.attempt))]
 
 
+def _won(claims: Sequence[_Claimed]) -> bool:
+    """Whether a claim was won or recorded something (what other processes are told of)."""
+    return any(claim is not _NotClaimed.MOVED for claim in claims)
+
+
+def _hands_over(ends: Sequence[_End], written: Sequence[bool]) -> bool:
+    """Whether an end written leaves its run pending, for another process to claim now (what it is
+    told of). A run deleted concerns no other process at once: one watching it reads the runs again
+    within 0.5 s."""
+    return any(wrote and end.then is not _AfterEnd.DONE for end, wrote in zip(ends, written))
+
+
 class _SQLStore(_Store):
     """The store's logic, in SQL that SQLite and PostgreSQL both run (the statements above).
 
@@ -2666,7 +2685,22 @@ class _SQLStore(_Store):
 
         # (Only claims won are told: of four processes claiming the same due jobs, three find them
         # moved, and telling that would wake the others for nothing, 3,700 times in 45 s.)
-        return self._write(work, notify=lambda claims: any(c is not _NotClaimed.MOVED for c in claims))
+        return self._write(work, notify=_won)
+
+    def end_and_claim(
+        self, owner: str, now_ms: int, ends: Sequence[_End], due: Sequence[_Due]
+    ) -> tuple[list[bool], list[_Claimed]]:
+        """``finish_many`` and ``claim_due_many`` in one transaction, the ends first (a run that
+        ended leaves its job free for a claim after it)."""
+        looks = self._looks(ends)
+
+        def work(conn: Any) -> tuple[list[bool], list[_Claimed]]:
+            written = self._finish_all(conn, owner, ends, looks)
+            return written, [self._claim_due(conn, owner, now_ms, item) for item in due]
+
+        written, claims = self._write(work, lambda both: _hands_over(ends, both[0]) or _won(both[1]))
+        self._noted(ends, looks, written)
+        return written, claims
 
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
         job, slot = due.job, due.slot
@@ -2798,23 +2832,28 @@ class _SQLStore(_Store):
         return rows[0][0] if rows else None
 
     def finish_many(self, owner: str, ends: Sequence[_End]) -> list[bool]:
-        looks = [end.then is _AfterEnd.DONE and self._prune_due(end.claim.job) for end in ends]
+        looks = self._looks(ends)
         if len(ends) == 1 and ends[0].then is _AfterEnd.DONE and not looks[0] and self._end_alone(owner, ends[0]):
             self._ended(ends[0].claim.job, False)
             return [True]
-
-        def work(conn: Any) -> list[bool]:
-            return [self._finish(conn, owner, end, look) for end, look in zip(ends, looks)]
-
-        # Runs deleted concern no other process at once (one watching such a run reads the runs
-        # again within 0.5 s); runs left pending do: another may claim them now.
         written = self._write(
-            work, lambda written: any(w and e.then is not _AfterEnd.DONE for w, e in zip(written, ends))
+            lambda conn: self._finish_all(conn, owner, ends, looks), lambda written: _hands_over(ends, written)
         )
-        for end, look, wrote in zip(ends, looks, written):  # (once committed: a transaction run again counts once)
+        self._noted(ends, looks, written)
+        return written
+
+    def _looks(self, ends: Sequence[_End]) -> list[bool]:
+        """For each end, whether it looks whether its job's history is due a prune (``_prune_due``)."""
+        return [end.then is _AfterEnd.DONE and self._prune_due(end.claim.job) for end in ends]
+
+    def _finish_all(self, conn: Any, owner: str, ends: Sequence[_End], looks: Sequence[bool]) -> list[bool]:
+        return [self._finish(conn, owner, end, look) for end, look in zip(ends, looks)]
+
+    def _noted(self, ends: Sequence[_End], looks: Sequence[bool], written: Sequence[bool]) -> None:
+        """Count the ends written, once committed (a transaction run again counts once)."""
+        for end, look, wrote in zip(ends, looks, written):
             if wrote:
                 self._ended(end.claim.job, look)
-        return written
 
     def _finish(self, conn: Any, owner: str, end: _End, look: bool) -> bool:
         """Write ``end`` if its attempt still holds its run; ``look``: a ``DONE`` end that looks
@@ -7062,6 +7101,10 @@ class _Runner:
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
         self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  #: attempts' ends waiting to be written
+        #: seconds the end of a run of this job (its run over) may wait for the next claim's transaction
+        self.end_wait: Callable[[str], float] = lambda job: 0.0
+        self._flush: asyncio.Handle | None = None  #: the write of the ends waiting, planned
+        self._flush_at = math.inf  #: when (the loop's time)
         self._heartbeats: _Heartbeats | None = None
         self._timers: _Timers | None = None
         self._watchdog: _Watchdog | None = None
@@ -7112,6 +7155,8 @@ class _Runner:
         then hurry the rest (cancelled, abandoned) and let them write their ends. Takes
         ``longest_drain()`` at most."""
         assert self.hurry is not None
+        if self._ends:  # (none waits for a claim any more)
+            self._write_ends()
         if self.tasks:
             every = asyncio.ensure_future(asyncio.wait(set(self.tasks)))
             hurry = asyncio.ensure_future(self.hurry.wait())
@@ -7318,28 +7363,44 @@ class _Runner:
 
     async def _finish(self, end: _End) -> bool:
         """Write an attempt's end. The ends of attempts that finish together are written in one
-        transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy."""
+        transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy. An
+        end with its run over may wait a little for this process's next claim (``end_wait``),
+        which writes it in its own transaction (``take_ends``)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         self._ends.append((end, future))
-        if len(self._ends) == 1:
-            loop.call_soon(self._write_ends)  # (after the attempts ending in this turn of the loop)
+        wait = self.end_wait(end.claim.job) if end.then is _AfterEnd.DONE else 0.0
+        at = loop.time() + wait
+        if at < self._flush_at:  # (sooner than the write planned, if any)
+            if self._flush is not None:
+                self._flush.cancel()
+            self._flush_at = at
+            # (at once: after the attempts ending in this turn of the loop)
+            self._flush = loop.call_at(at, self._write_ends) if wait else loop.call_soon(self._write_ends)
         return await future
+
+    def take_ends(self) -> list[tuple[_End, asyncio.Future[bool]]]:
+        """The ends waiting, no longer planned to be written: the caller writes them and tells
+        ``written`` of the store's answer."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush, self._flush_at = None, math.inf
+        batch, self._ends = self._ends, []
+        return batch
 
     def _write_ends(self) -> None:
         """Send the ends waiting to the store in one call; no task: the store's answer is handed
-        to ``_written`` (a task with a turn to gather the ends took the loop three turns more)."""
-        batch, self._ends = self._ends, []
-        self._write_batch(batch)
+        to ``written`` (a task with a turn to gather the ends took the loop three turns more)."""
+        self._write_batch(self.take_ends())
 
     def _write_batch(self, batch: list[tuple[_End, asyncio.Future[bool]]]) -> None:
         ends = [end for end, _ in batch]
         try:
-            self._link.submit(lambda s: s.finish_many(self._instance, ends), functools.partial(self._written, batch))
+            self._link.submit(lambda s: s.finish_many(self._instance, ends), functools.partial(self.written, batch))
         except Exception as exc:  # noqa: BLE001 - (the store could not be opened) every waiting attempt gets it
-            self._written(batch, None, exc)
+            self.written(batch, None, exc)
 
-    def _written(
+    def written(
         self, batch: list[tuple[_End, asyncio.Future[bool]]], results: list[bool] | None, exc: BaseException | None
     ) -> None:
         """The store's answer to a batch of ends, to the attempts waiting for it."""
@@ -7806,6 +7867,10 @@ _FULL_READ = 600.0  # seconds between reads of every job row (between them, only
 # instead of one at a time. A look that found one fires it and waits for nothing: occurrences 20 ms
 # apart each start on time.
 _LOOK_GAP = 0.02
+# An attempt whose run is over (succeeded, or failed for good) waits this long at most to have its end
+# written in the transaction of this process's next claim, when one is due that soon and before the
+# job's own next occurrence: one commit and one hop to the store's thread an occurrence, not two.
+_END_WAIT = 0.1
 _TIDY_GAP = 0.05  # seconds between two steps of the store's upkeep, when nothing is due sooner
 _TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before the next
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
@@ -7940,6 +8005,7 @@ class _Loop:
         self._events = events  #: what is told of runs (log lines and listeners)
         #: this process's running attempts (it alone decides that one of them was superseded)
         self.runner = _Runner(link, clock, instance, checkpoints, self.poke, events)
+        self.runner.end_wait = self._end_wait
         self._where = link.backend.where  #: the database, as messages name it
         self._poll = link.backend.look_every  #: seconds between looks when nothing tells of changes
         self._blocked_warning = blocked_warning  #: seconds of a blocked event loop before a warning
@@ -7947,6 +8013,7 @@ class _Loop:
         self.notify: _Notify | None = None  #: the service manager, when it is told (systemd)
         self.metrics: _MetricsFile | None = None  #: the node_exporter textfile, when one is kept
         self.stopping = False  #: a stop was asked: claim nothing more, drain, leave
+        self._sweeping = False  #: claiming more due occurrences than one transaction takes (``_fire``)
         self.ready: asyncio.Event | None = None  #: set after each look (``__aenter__`` waits for the first)
         self.heartbeats: _Heartbeats | None = None  #: the thread that renews leases, from the last serve
         self._watch: _Changes | None = None  #: the store's changes, while serving
@@ -8407,20 +8474,31 @@ class _Loop:
         due at once share them. Returns the watermarks that had moved, by job."""
         if len(ready) > _CLAIM_BATCH:
             ready = _from_own_place(ready, self.instance)
+        # (Batch after batch, the ends are written beside the claims, not in their way: a claim
+        # that waited for a hundred ends before it took 15% longer to start 10,000.)
+        self._sweeping = len(ready) > _CLAIM_BATCH
         moved = {}
-        for start in range(0, len(ready), _CLAIM_BATCH):
-            if start:
-                await asyncio.sleep(0)  # the attempts just won start
-                if self.stopping:
-                    break
-                now_ms = _ms(self._clock.time())
-            moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
+        try:
+            for start in range(0, len(ready), _CLAIM_BATCH):
+                if start:
+                    await asyncio.sleep(0)  # the attempts just won start
+                    if self.stopping:
+                        break
+                    now_ms = _ms(self._clock.time())
+                moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
+        finally:
+            self._sweeping = False
         return moved
 
     async def _claim_batch(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
-        """One transaction of ``_fire``: claim, start what was won, return what had moved."""
+        """One transaction of ``_fire``: write the ends waiting for it, claim, start what was won,
+        return what had moved."""
         due = [_due(job, row.last_slot, now_ms) for job, row in batch]
-        claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
+        ending = [] if self._sweeping else self.runner.take_ends()
+        if ending:
+            claims = await self._end_and_claim(ending, due, now_ms)
+        else:
+            claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
         moved = {}
         written = []  # (the rows as this process moved them: the next look need not read them first)
         for (job, row), item, claim in zip(batch, due, claims):
@@ -8437,6 +8515,49 @@ class _Loop:
         if self._agenda is not None:
             self._agenda.update(written)
         return moved
+
+    async def _end_and_claim(
+        self, ending: list[tuple[_End, asyncio.Future[bool]]], due: list[_Due], now_ms: int
+    ) -> list[_Claimed]:
+        """The claims of ``due``, in the transaction that writes the ends ``ending`` first; the
+        attempts waiting for those are told of the answer even if this task is cancelled."""
+        claimed: asyncio.Future[list[_Claimed]] = asyncio.get_running_loop().create_future()
+
+        def answered(both: tuple[list[bool], list[_Claimed]] | None, exc: BaseException | None) -> None:
+            self.runner.written(ending, None if both is None else both[0], exc)
+            _fill(claimed, None if both is None else both[1], exc)
+
+        ends = [end for end, _ in ending]
+        try:
+            self._link.submit(lambda s: s.end_and_claim(self.instance, now_ms, ends, due), answered)
+        except Exception as exc:
+            self.runner.written(ending, None, exc)
+            raise
+        try:
+            return await claimed
+        except StoreError:
+            raise
+        except Exception:  # noqa: BLE001 - an end's own fault (its text: ``written`` writes each alone), not the claims'
+            return await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
+
+    def _end_wait(self, job: str) -> float:
+        """Seconds the end of a run of ``job`` (its run over) may wait to be written in the
+        transaction of this process's next claim: when that comes within ``_END_WAIT`` (the next
+        look is at an occurrence this process claims first) and before the job's own next
+        occurrence starts (whichever process claims that must find this run over). 0: written at
+        once."""
+        agenda, declared = self._agenda, self._declared.jobs.get(job)
+        if self.stopping or self._sweeping or agenda is None or declared is None:
+            return 0.0
+        first, row = agenda.first(), agenda.rows.get(job)
+        if first is None or row is None or not self._is_first(first[1]):
+            return 0.0  # (a look at another process's occurrence reads first, and may claim nothing)
+        look = first[0]
+        wait = max(look - _ms(self._clock.time()), 0) / 1000
+        after = _next_due(declared, row)
+        if wait > _END_WAIT or (after is not None and declared.schedule.start_of(after) <= look + _ms(_LOOK_GAP)):
+            return 0.0
+        return wait + _LOOK_GAP  # (then the end is written alone, if that claim was not made)
 
     async def _consider(self, run: _RunRow, now_ms: int, watch: _Changes) -> float | None:
         """Claim a pending run, take over one whose owner is gone, or let the runner judge one of

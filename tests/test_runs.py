@@ -152,6 +152,96 @@ def test_an_occurrence_its_first_process_leaves_unclaimed_is_claimed_by_another(
     run(main())
 
 
+def ends_and_claims(calls):
+    """A ``store=`` whose ``end_and_claim`` calls are noted in ``calls``: (jobs ended, jobs claimed)."""
+
+    def noted(original, owner, now_ms, ends, due):
+        calls.append(([end.claim.job for end in ends], [item.job for item in due]))
+        return original(owner, now_ms, ends, due)
+
+    return faulty(end_and_claim=noted)
+
+
+def test_a_runs_end_is_written_in_the_transaction_of_the_next_claim_and_when_the_scheduler_stops(
+    db, clock, monkeypatch
+):
+    """A run over shortly before this process claims again has its end written in that claim's
+    transaction (one commit, not two); an end still waiting when the scheduler stops is written
+    before it leaves, not abandoned."""
+    monkeypatch.setattr(anarchon_lite, "_END_WAIT", HOUR)  # (the wait in real seconds: as long as the test takes)
+    aligned(clock, HOUR)
+    calls = []
+
+    async def main():
+        s = make(db, clock, store=ends_and_claims(calls))
+        s.every("a", "1h", lambda ctx: None)
+        s.every("b", "1h", lambda ctx: None, offset="30m")
+        async with s:
+            next_slot(clock, HOUR)
+            await wait_for(lambda: s._loop.runner._ends, message="the end of a, waiting")
+            assert not await has(s, "a", "succeeded")
+            clock.advance(HOUR / 2)
+            await wait_for(lambda: has(s, "a", "succeeded"), message="the end of a")
+            assert calls == [(["a"], ["b"])]
+            await wait_for(lambda: s._loop.runner._ends, message="the end of b, waiting")
+        for job in ("a", "b"):
+            assert [(attempt, status) for _, attempt, status in await statuses(s, job)] == [(1, "succeeded")]
+
+    run(main())
+
+
+def test_a_runs_end_does_not_wait_for_a_claim_that_comes_as_late_as_its_jobs_next_occurrence(db, clock, monkeypatch):
+    """Whichever process claims a job's next occurrence must find its last run over: an end waits
+    for no claim due within 20 ms of that occurrence (the claim may come late, or not at all)."""
+    monkeypatch.setattr(anarchon_lite, "_END_WAIT", HOUR)
+    aligned(clock, HOUR)
+    calls = []
+
+    async def main():
+        s = make(db, clock, store=ends_and_claims(calls))
+        s.every("a", "15m", lambda ctx: None)
+        s.every("b", "1h", lambda ctx: None, offset="14m59s990ms")  # (10 ms before a's next occurrence)
+        async with s:
+            next_slot(clock, HOUR)
+            await wait_for(lambda: has(s, "a", "succeeded"), message="the end of a, written at once")
+        assert calls == []
+
+    run(main())
+
+
+def test_an_end_that_cannot_be_written_fails_no_claim_made_with_it(db, clock, monkeypatch, caplog):
+    """A fault of an end's own (not the store's) fails the transaction it shares with a claim: the
+    claim is made again alone, and the end is written as its attempt writes any end refused (its
+    status, and why its text is not)."""
+    monkeypatch.setattr(anarchon_lite, "_END_WAIT", HOUR)
+    aligned(clock, HOUR)
+    failed = []
+
+    def once(original, owner, now_ms, ends, due):
+        if not failed:
+            failed.append([end.claim.job for end in ends])
+            raise ValueError("an end's own fault (injected)")
+        return original(owner, now_ms, ends, due)
+
+    async def main():
+        s = make(db, clock, store=faulty(end_and_claim=once))
+        s.every("a", "1h", lambda ctx: None)
+        s.every("b", "1h", lambda ctx: None, offset="30m")
+        async with s:
+            next_slot(clock, HOUR)
+            await wait_for(lambda: s._loop.runner._ends, message="the end of a, waiting")
+            clock.advance(HOUR / 2)
+            await wait_for(lambda: has(s, "b", "succeeded"), message="b claimed and run")
+            await wait_for(lambda: has(s, "a", "succeeded"), message="the end of a, written")
+        assert failed == [["a"]]
+        (record,) = await s.history("a")
+        assert "could not be stored" in record.error and "injected" in record.error
+
+    with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+        run(main())
+    assert not [r.getMessage() for r in caplog.records if "looking again" in r.getMessage()]  # (no look failed)
+
+
 def test_context_fields(db, clock, caplog):
     aligned(clock, 60)
     got = {}
