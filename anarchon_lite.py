@@ -7295,7 +7295,7 @@ class _Runner:
         written = False
         for tries in range(60):
             try:
-                written = await self._finish(end)
+                written = await self._finish(end, attempt)
                 break
             except Exception as exc:  # noqa: BLE001 - a StoreError passes; anything else is this end's own
                 if not isinstance(exc, StoreError):  # the end as bare as can be: its status alone
@@ -7361,15 +7361,18 @@ class _Runner:
                 exc_info=(type(exc), exc, exc.__traceback__),
             )
 
-    async def _finish(self, end: _End) -> bool:
+    async def _finish(self, end: _End, attempt: _Attempt) -> bool:
         """Write an attempt's end. The ends of attempts that finish together are written in one
         transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy. An
         end with its run over may wait a little for this process's next claim (``end_wait``),
-        which writes it in its own transaction (``take_ends``)."""
+        which writes it in its own transaction (``take_ends``), if half its lease is left after
+        the wait (it is no longer renewed: past its lease, another process would run it again)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         self._ends.append((end, future))
         wait = self.end_wait(end.claim.job) if end.then is _AfterEnd.DONE else 0.0
+        if wait and attempt.valid_until - time.monotonic() - wait < attempt.lease / 2:
+            wait = 0.0
         at = loop.time() + wait
         if at < self._flush_at:  # (sooner than the write planned, if any)
             if self._flush is not None:

@@ -174,8 +174,8 @@ def test_a_runs_end_is_written_in_the_transaction_of_the_next_claim_and_when_the
 
     async def main():
         s = make(db, clock, store=ends_and_claims(calls))
-        s.every("a", "1h", lambda ctx: None)
-        s.every("b", "1h", lambda ctx: None, offset="30m")
+        s.every("a", "1h", lambda ctx: None, lease="3h")  # (half its lease left after the wait: see below)
+        s.every("b", "1h", lambda ctx: None, offset="30m", lease="3h")
         async with s:
             next_slot(clock, HOUR)
             await wait_for(lambda: s._loop.runner._ends, message="the end of a, waiting")
@@ -209,6 +209,26 @@ def test_a_runs_end_does_not_wait_for_a_claim_that_comes_as_late_as_its_jobs_nex
     run(main())
 
 
+def test_a_runs_end_does_not_wait_for_a_claim_past_half_its_lease(db, clock, monkeypatch):
+    """An attempt's lease is no longer renewed once its handler returned: its end waits for no
+    claim unless half its lease is left after the wait (past it, another process would take the
+    run over and run it again)."""
+    monkeypatch.setattr(anarchon_lite, "_END_WAIT", HOUR)
+    aligned(clock, HOUR)
+    calls = []
+
+    async def main():
+        s = make(db, clock, store=ends_and_claims(calls))
+        s.every("a", "1h", lambda ctx: None, lease="50m")  # (b claimed 30 min later: 20 min of 50 left)
+        s.every("b", "1h", lambda ctx: None, offset="30m")
+        async with s:
+            next_slot(clock, HOUR)
+            await wait_for(lambda: has(s, "a", "succeeded"), message="the end of a, written at once")
+        assert calls == []
+
+    run(main())
+
+
 def test_an_end_that_cannot_be_written_fails_no_claim_made_with_it(db, clock, monkeypatch, caplog):
     """A fault of an end's own (not the store's) fails the transaction it shares with a claim: the
     claim is made again alone, and the end is written as its attempt writes any end refused (its
@@ -225,7 +245,7 @@ def test_an_end_that_cannot_be_written_fails_no_claim_made_with_it(db, clock, mo
 
     async def main():
         s = make(db, clock, store=faulty(end_and_claim=once))
-        s.every("a", "1h", lambda ctx: None)
+        s.every("a", "1h", lambda ctx: None, lease="3h")
         s.every("b", "1h", lambda ctx: None, offset="30m")
         async with s:
             next_slot(clock, HOUR)
