@@ -7155,8 +7155,7 @@ class _Runner:
         then hurry the rest (cancelled, abandoned) and let them write their ends. Takes
         ``longest_drain()`` at most."""
         assert self.hurry is not None
-        if self._ends:  # (none waits for a claim any more)
-            self._write_ends()
+        self.write_ends()  # (none waits for a claim any more)
         if self.tasks:
             every = asyncio.ensure_future(asyncio.wait(set(self.tasks)))
             hurry = asyncio.ensure_future(self.hurry.wait())
@@ -7379,7 +7378,7 @@ class _Runner:
                 self._flush.cancel()
             self._flush_at = at
             # (at once: after the attempts ending in this turn of the loop)
-            self._flush = loop.call_at(at, self._write_ends) if wait else loop.call_soon(self._write_ends)
+            self._flush = loop.call_at(at, self.write_ends) if wait else loop.call_soon(self.write_ends)
         return await future
 
     def take_ends(self) -> list[tuple[_End, asyncio.Future[bool]]]:
@@ -7391,12 +7390,14 @@ class _Runner:
         batch, self._ends = self._ends, []
         return batch
 
-    def _write_ends(self) -> None:
-        """Send the ends waiting to the store in one call; no task: the store's answer is handed
-        to ``written`` (a task with a turn to gather the ends took the loop three turns more)."""
-        self._write_batch(self.take_ends())
+    def write_ends(self) -> None:
+        """Send the ends waiting (if any) to the store in one call; no task: the store's answer is
+        handed to ``written`` (a task with a turn to gather the ends took the loop three turns more)."""
+        batch = self.take_ends()
+        if batch:
+            self.write_batch(batch)
 
-    def _write_batch(self, batch: list[tuple[_End, asyncio.Future[bool]]]) -> None:
+    def write_batch(self, batch: list[tuple[_End, asyncio.Future[bool]]]) -> None:
         ends = [end for end, _ in batch]
         try:
             self._link.submit(lambda s: s.finish_many(self._instance, ends), functools.partial(self.written, batch))
@@ -7410,7 +7411,7 @@ class _Runner:
         if exc is not None:  # every waiting attempt gets it (a StoreError: each retries)
             if isinstance(exc, Exception) and not isinstance(exc, StoreError) and len(batch) > 1:
                 for one in batch:  # not the store: one end's own fault, never its neighbours'
-                    self._write_batch([one])
+                    self.write_batch([one])
                 return
             for _, future in batch:
                 _set_exception(future, exc)
@@ -8480,6 +8481,8 @@ class _Loop:
         # (Batch after batch, the ends are written beside the claims, not in their way: a claim
         # that waited for a hundred ends before it took 15% longer to start 10,000.)
         self._sweeping = len(ready) > _CLAIM_BATCH
+        if self._sweeping:  # (an end waiting goes first, in the store thread's order: its job may be in the sweep)
+            self.runner.write_ends()
         moved = {}
         try:
             for start in range(0, len(ready), _CLAIM_BATCH):
@@ -8523,11 +8526,16 @@ class _Loop:
         self, ending: list[tuple[_End, asyncio.Future[bool]]], due: list[_Due], now_ms: int
     ) -> list[_Claimed]:
         """The claims of ``due``, in the transaction that writes the ends ``ending`` first; the
-        attempts waiting for those are told of the answer even if this task is cancelled."""
+        attempts waiting for those are told of the answer even if this task is cancelled. A fault
+        not the store's (a bug, an end's text) fails the transaction, not the ends nor the claims:
+        each is written again alone, the ends first, where the fault shows as its own."""
         claimed: asyncio.Future[list[_Claimed]] = asyncio.get_running_loop().create_future()
 
         def answered(both: tuple[list[bool], list[_Claimed]] | None, exc: BaseException | None) -> None:
-            self.runner.written(ending, None if both is None else both[0], exc)
+            if isinstance(exc, Exception) and not isinstance(exc, StoreError):
+                self.runner.write_batch(ending)
+            else:
+                self.runner.written(ending, None if both is None else both[0], exc)
             _fill(claimed, None if both is None else both[1], exc)
 
         ends = [end for end, _ in ending]
@@ -8540,21 +8548,24 @@ class _Loop:
             return await claimed
         except StoreError:
             raise
-        except Exception:  # noqa: BLE001 - an end's own fault (its text: ``written`` writes each alone), not the claims'
+        except Exception:  # noqa: BLE001 - (not the store's: above)
             return await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
 
     def _end_wait(self, job: str) -> float:
         """Seconds the end of a run of ``job`` (its run over) may wait to be written in the
         transaction of this process's next claim: when that comes within ``_END_WAIT`` (the next
         look is at an occurrence this process claims first) and before the job's own next
-        occurrence starts (whichever process claims that must find this run over). 0: written at
-        once."""
+        occurrence starts, which this process claims first too (whichever process claims it must
+        find this run over). 0: written at once."""
         agenda, declared = self._agenda, self._declared.jobs.get(job)
         if self.stopping or self._sweeping or agenda is None or declared is None:
             return 0.0
         first, row = agenda.first(), agenda.rows.get(job)
-        if first is None or row is None or not self._is_first(first[1]):
-            return 0.0  # (a look at another process's occurrence reads first, and may claim nothing)
+        if first is None or row is None or not self._is_first(first[1]) or not self._is_first(job):
+            # (A look at another process's occurrence reads first, and may claim nothing; the next
+            # occurrence of a job another process claims first may be claimed there before this
+            # process's next claim commits.)
+            return 0.0
         look = first[0]
         wait = max(look - _ms(self._clock.time()), 0) / 1000
         after = _next_due(declared, row)
@@ -8594,6 +8605,7 @@ class _Loop:
                 return again
             reason = gone or "lease expired"
         options = job.options
+        self.runner.write_ends()  # (a run of ours that ended is over before this claim: a trigger is not skipped)
         claim = await self._link.call(
             lambda s: s.claim(
                 run,
