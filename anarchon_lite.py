@@ -11195,10 +11195,15 @@ def _show(control: Control, job: str, slot: str | None, as_json: bool) -> None:
     _print_records(chosen, as_json)
 
 
-def _starting(schedule: _Schedule, now_ms: int, count: int) -> list[tuple[_dt.datetime, _dt.datetime]]:
-    """The next ``count`` occurrences of ``schedule`` that start after ``now_ms``: (time, start)."""
+def _starting(
+    schedule: _Schedule, now_ms: int, count: int, first: _dt.datetime | None
+) -> list[tuple[_dt.datetime, _dt.datetime]]:
+    """The next ``count`` occurrences of ``schedule`` that start after ``now_ms``, from ``first``
+    (the job's next occurrence as its row has it, if known: one passed before the job was declared
+    never runs, though its jitter would start it later): (time, start)."""
     found: list[tuple[_dt.datetime, _dt.datetime]] = []
-    cursor = schedule.next_after(now_ms - (schedule.jitter if isinstance(schedule, _Jittered) else 0))
+    since = now_ms - (schedule.jitter if isinstance(schedule, _Jittered) else 0)
+    cursor = schedule.next_after(since if first is None else max(since, _ms_from_dt(first) - 1))
     while cursor is not None and len(found) < count:
         start = schedule.start_of(cursor)
         if start > now_ms:  # (an occurrence passed may start later; the one before it has started)
@@ -11218,7 +11223,7 @@ def _print_next(jobs: list[JobStatus], count: int, utc: bool, as_json: bool) -> 
         except ConfigError as exc:  # (that job's alone: say why, and list the others)
             print(f"anarchon-lite: {exc}", file=sys.stderr)
             continue
-        shown.append((job, _starting(schedule, _ms(now), count)))
+        shown.append((job, _starting(schedule, _ms(now), count, job.next_at)))
     if as_json:
         listed = [
             {

@@ -710,6 +710,36 @@ def test_status_and_next_show_when_a_jittered_occurrence_starts(store):
     assert f"(+{anarchon_lite._span(delay)} jitter)" in listed_next[1]
 
 
+def test_next_does_not_list_an_occurrence_from_before_the_job_was_declared(store):
+    """An occurrence whose time passed before its job was declared never runs (the job starts from
+    its declaration), even if its jitter would start it later: ``next`` lists from the job's next
+    occurrence, as ``status`` shows it (it listed the one passed, between 03:00 and 03:08 UTC, for
+    the nightly job of the test above)."""
+    import asyncio
+
+    import anarchon_lite
+    from anarchon_lite import Scheduler
+
+    slot = int(time.time() - 60) * 1000  # (an hourly occurrence a minute ago)
+    offset = slot // 1000 % 3600
+
+    def delay(name):
+        return anarchon_lite._Jittered(anarchon_lite._Every(3600, offset), 1800, name).start_of(slot) - slot
+
+    name = next(f"hourly-{i}" for i in range(1000) if delay(f"hourly-{i}") > 600_000)  # (starting in 9 min or more)
+
+    async def declare():
+        s = Scheduler(store)
+        s.every(name, "1h", lambda ctx: None, offset=f"{offset}s", jitter="30m")
+        await s.status()
+
+    asyncio.run(declare())
+    (job,) = status_jobs(store)
+    assert job["next_at"] == anarchon_lite._utc_from_ms(slot + 3_600_000).isoformat()
+    (listed,) = json.loads(cli(store, "next", "-n", "2", "--json").stdout)
+    assert listed["next"] == [anarchon_lite._utc_from_ms(slot + n * 3_600_000).isoformat() for n in (1, 2)]
+
+
 def test_crontab_keeps_a_metrics_file_and_status_prints_the_same_figures(store, tmp_path, daemons):
     """`crontab --metrics-file PATH` keeps PATH a Prometheus text file for node_exporter (runs by
     status, newest times, running attempts, its renewal lateness); `status --prometheus` prints the
