@@ -8057,6 +8057,8 @@ class _Loop:
         self._peers: dict[str, frozenset[str]] = {}  #: the running processes and what they declare, as last read
         self._peers_key: _Who = ()  #: who they were, to tell a change
         self._peers_at = -math.inf  #: when they were last read (monotonic)
+        #: a read since left them unread (read less than ``_PEERS_EVERY`` before): read them once that passed
+        self._peers_unread = False
         self._first: dict[str, bool] = {}  #: whether this process is each job's first, among these peers
 
     # -- waking ------------------------------------------------------------------------------------
@@ -8310,7 +8312,8 @@ class _Loop:
         deferred = 0.0  # a change told by another process, read this much later with the changes after it
         if version != self._version and not self._dirty and self._runs is not None:
             deferred = max(0.0, self._coalescing(watch))
-        if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty):
+        peers = self._peers_unread and self._clock.monotonic() >= self._peers_at + _PEERS_EVERY
+        if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty or peers):
             await self._read_as_of(version)
         elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
             self._read_real = time.monotonic()
@@ -8354,6 +8357,8 @@ class _Loop:
                 if again == 0.0:
                     self._version = -1
         self._wait = min(wait, deferred) if deferred else wait
+        if self._peers_unread and not deferred:  # (one that joined just after their last read: read then)
+            self._wait = min(self._wait, max(self._peers_at + _PEERS_EVERY - self._clock.monotonic(), 0.0))
         if self._link.untidy and not ready:
             look = agenda.next_look()  # (an occurrence another process looks at first: a second later)
             await self._tidy(min(soonest, math.inf if look is None else look / 1000 - now))
@@ -8412,6 +8417,7 @@ class _Loop:
             lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None)
         )
         self._found(runs)
+        self._peers_unread = not peers
         if peers:
             self._peers_at = self._read_at
         if met is not None:  # (the processes changed: when each job is looked at, too)

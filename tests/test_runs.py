@@ -76,6 +76,31 @@ async def _know_each_other(*schedulers, clock):
         await wait_for(lambda s=s: knows_them(s), message="peers known")
 
 
+def test_a_process_that_joined_just_after_another_read_who_runs_is_known_to_it_without_another_change(db, clock):
+    """Who runs on the store is read at most every ``_PEERS_EVERY`` seconds; a process that joined
+    less than that after another read it is read by the other once they have passed, whether or not
+    anything else changes (four processes started together, then idle until 10,000 jobs came due at
+    once: one knew only itself and claimed all of them first, as their first process)."""
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2)  # (nothing comes due)
+
+    async def main():
+        a, b = make(db, clock, instance="a"), make(db, clock, instance="b")
+        a.every("hourly", "1h", lambda ctx: None)
+        b.every("hourly", "1h", lambda ctx: None)
+        b.every("b-only", "1h", lambda ctx: None)
+        async with a:
+            await wait_for(lambda: set(a._loop._peers) == {"a"}, message="a read who runs: itself")
+            async with b:
+                rows = lambda: a._loop._agenda.rows
+                await wait_for(lambda: "b-only" in rows(), message="a read what b's join wrote")
+                assert set(a._loop._peers) == {"a"}  # (read less than _PEERS_EVERY before)
+                clock.advance(anarchon_lite._PEERS_EVERY)
+                await wait_for(lambda: set(a._loop._peers) == {"a", "b"}, message="a read who runs again")
+
+    run(main())
+
+
 def test_each_occurrence_is_claimed_by_its_first_process_alone(db, clock):
     aligned(clock, HOUR)
     clock.advance(-HOUR / 2)
