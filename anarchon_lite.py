@@ -183,7 +183,10 @@ class JobOptions(TypedDict, total=False):
     on_failure_every_attempt: bool
 
 
-_Telling = Union[bool, Callable[[T], bool]]  # whether a write tells the others: always, or by its result
+#: Whether a write tells the others: always, or by its result; ``_NOW`` also says that a run was
+#: handed over, to be claimed now, which a store that can say so has read at once (not coalesced)
+_Telling = Union[bool, str, Callable[[T], Union[bool, str]]]
+_NOW = "now"
 
 
 ###############################################################################
@@ -1748,8 +1751,9 @@ class _Backend(abc.ABC):
     ) -> _Changes:
         """The loop's view of changes, for the scheduler ``instance`` of this process (open from
         before it joins until it has left); when ``polled``, ``on_change`` is never called for
-        other processes' writes. A store that learns of an owner's end apart from its writes calls
-        ``on_gone`` then (``on_change`` if not given): the loop looks at once, not coalesced."""
+        other processes' writes. A store that learns of an owner's end apart from its writes, or
+        is told that a run was handed over to be claimed now, calls ``on_gone`` then
+        (``on_change`` if not given): the loop looks at once, not coalesced."""
 
 
 ###############################################################################
@@ -2567,11 +2571,12 @@ def _won(claims: Sequence[_Claimed]) -> bool:
     return any(claim is not _NotClaimed.MOVED for claim in claims)
 
 
-def _hands_over(ends: Sequence[_End], written: Sequence[bool]) -> bool:
-    """Whether an end written leaves its run pending, for another process to claim now (what it is
-    told of). A run deleted concerns no other process at once: one watching it reads the runs again
-    within 0.5 s."""
-    return any(wrote and end.then is not _AfterEnd.DONE for end, wrote in zip(ends, written))
+def _hands_over(ends: Sequence[_End], written: Sequence[bool]) -> bool | str:
+    """Whether an end written leaves its run pending (what other processes are told of): ``_NOW``
+    when one is handed over, for another process to claim now. A run deleted concerns no other
+    process at once: one watching it reads the runs again within 0.5 s."""
+    left = [end.then for end, wrote in zip(ends, written) if wrote and end.then is not _AfterEnd.DONE]
+    return _NOW if _AfterEnd.HANDOVER in left else bool(left)
 
 
 class _SQLStore(_Store):
@@ -4859,7 +4864,10 @@ class _PGStore(_SQLStore):
         ``busy_timeout``) or, if ``again``, when its connection is lost (``_reconnecting``); notify
         the other processes when it commits."""
 
-        channel = (_pg_channel(self._target),)
+        channel = _pg_channel(self._target)
+
+        def told(telling: bool | str) -> tuple[str, str]:  # (the notification's payload says: now)
+            return channel, _NOW if telling == _NOW else ""
 
         def transaction(raw: Any) -> T:
             deadline = time.monotonic() + self._busy_timeout
@@ -4867,13 +4875,13 @@ class _PGStore(_SQLStore):
             while True:
                 try:
                     with raw.transaction():
-                        if notify is True:  # (told in the same round trip as the turn is taken)
-                            raw.execute(self._turn + ", pg_notify(%s, '')", channel)
+                        if notify and not callable(notify):  # (told in the same round trip as the turn is taken)
+                            raw.execute(self._turn + ", pg_notify(%s, %s)", told(notify))
                         else:
                             raw.execute(self._turn)
                         result = work(_PGConnection(raw))
-                        if callable(notify) and notify(result):
-                            raw.execute("SELECT pg_notify(%s, '')", channel)
+                        if callable(notify) and (telling := notify(result)):
+                            raw.execute("SELECT pg_notify(%s, %s)", told(telling))
                     return result
                 except self._psycopg.Error as exc:
                     if getattr(exc, "sqlstate", None) not in _PG_RETRY or time.monotonic() > deadline:
@@ -5163,9 +5171,15 @@ class _PGChanges(_Changes):
     coalesce = 0.5  # (as on SQLite: what comes due is claimed on timers, changes told are read together)
 
     def __init__(
-        self, target: _PGTarget, identity: _PGIdentity, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]
+        self,
+        target: _PGTarget,
+        identity: _PGIdentity,
+        loop: asyncio.AbstractEventLoop,
+        on_change: Callable[[], None],
+        on_now: Callable[[], None],
     ):
         self._target, self._identity, self._loop, self._on_change = target, identity, loop, on_change
+        self._on_now = on_now  #: called for a notification that a run was handed over, held or not
         self._psycopg = _import_psycopg()
         self._count = 0  #: bumped at each notification and each new session (read on the loop)
         self._held = False  #: the loop reads changes later (``hold``): notifications are counted, not told
@@ -5326,19 +5340,23 @@ class _PGChanges(_Changes):
         """Read what the server sent: notifications (told to the loop), and the answer to the
         round trip asked at ``asked``; None once it is answered (or none was asked)."""
         pgconn.consume_input()
-        told = self._count
-        while pgconn.notifies() is not None:
+        told, now = self._count, False
+        while (notification := pgconn.notifies()) is not None:
             self._count += 1
-        if self._count != told and not self._held:  # (held: the loop reads them when it lets go)
+            now = now or notification.extra == _NOW.encode()
+        if now:  # (a hand-over: read at once, not coalesced)
+            self._tell(self._on_now)
+        elif self._count != told and not self._held:  # (held: the loop reads them when it lets go)
             self._tell()
         while asked is not None and not pgconn.is_busy():
             if pgconn.get_result() is None:
                 asked = None
         return asked
 
-    def _tell(self) -> None:
+    def _tell(self, call: Callable[[], None] | None = None) -> None:
+        """Call ``call`` (``on_change``) on the loop."""
         with contextlib.suppress(RuntimeError):  # (the loop is closed)
-            self._loop.call_soon_threadsafe(self._on_change)
+            self._loop.call_soon_threadsafe(call or self._on_change)
 
     # -- on the event loop
 
@@ -5519,7 +5537,7 @@ class _Postgres(_Backend):
         instance: str,
         on_gone: Callable[[], None] | None = None,
     ) -> _Changes:
-        return _PGChanges(self._target, self._identity, loop, on_change)
+        return _PGChanges(self._target, self._identity, loop, on_change, on_gone or on_change)
 
 
 ###############################################################################
