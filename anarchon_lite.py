@@ -8330,7 +8330,7 @@ class _Loop:
         deferred = 0.0  # a change told by another process, read this much later with the changes after it
         if version != self._version and not self._dirty and self._runs is not None:
             deferred = max(0.0, self._coalescing(watch))
-        peers = self._peers_unread and self._clock.monotonic() >= self._peers_at + _PEERS_EVERY
+        peers = self._peers_unread and self._peers_in() <= 0
         if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty or peers):
             await self._read_as_of(version)
         elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
@@ -8376,7 +8376,7 @@ class _Loop:
                     self._version = -1
         self._wait = min(wait, deferred) if deferred else wait
         if self._peers_unread and not deferred:  # (one that joined just after their last read: read then)
-            self._wait = min(self._wait, max(self._peers_at + _PEERS_EVERY - self._clock.monotonic(), 0.0))
+            self._wait = min(self._wait, max(self._peers_in(), 0.0))
         if self._link.untidy and not ready:
             look = agenda.next_look()  # (an occurrence another process looks at first: a second later)
             await self._tidy(min(soonest, math.inf if look is None else look / 1000 - now))
@@ -8428,7 +8428,7 @@ class _Loop:
         agenda = self._agenda
         whole = agenda is None or self._clock.monotonic() >= self._whole_at + _FULL_READ
         since = -1 if agenda is None or whole else agenda.seen
-        peers = self._clock.monotonic() >= self._peers_at + _PEERS_EVERY
+        peers = self._peers_in() <= 0
         known = self._peers_key
         self._read_real = time.monotonic()
         jobs, runs, newest, met = await self._link.call(
@@ -8459,6 +8459,11 @@ class _Loop:
         if behind:
             again = await self._link.call(lambda s: [s.job(name) for name in behind])
             agenda.update(row for row in again if row is not None)
+
+    def _peers_in(self) -> float:
+        """Seconds until who runs on the store may be read again (<= 0: now): ``_PEERS_EVERY``
+        after the last read of them."""
+        return self._peers_at + _PEERS_EVERY - self._clock.monotonic()
 
     def _is_first(self, job: str) -> bool:
         """Whether this process is ``job``'s first (``_first_of``), or knows of no other."""
