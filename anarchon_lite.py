@@ -8331,11 +8331,11 @@ class _Loop:
         if version != self._version and not self._dirty and self._runs is not None:
             deferred = max(0.0, self._coalescing(watch))
         peers = self._peers_unread and self._peers_in() <= 0
-        if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty or peers):
+        if deferred == 0.0 and (version != self._version or self._runs is None or self._dirty):
             await self._read_as_of(version)
-        elif stale:  # nothing was written since (that would have been told): the runs alone, one statement
-            self._read_real = time.monotonic()
-            self._found(await self._link.call(lambda s: s.runs()))
+        elif stale or peers:  # nothing was written since (that would have been told): the runs alone,
+            # one statement, and who runs if a read left it unread (a process that joined just after it)
+            await self._read_runs(stale, peers)
         if self._clock_unset(now_ms):
             self._wait = self._idle
             return
@@ -8435,19 +8435,15 @@ class _Loop:
             lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None)
         )
         self._found(runs)
-        self._peers_unread = not peers
-        if peers:
-            self._peers_at = self._read_at
-        if met is not None:  # (the processes changed: when each job is looked at, too)
-            self._peers_key, self._peers, self._first = *met, {}
+        self._met(peers, met)
         self.runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
         self._newest = newest or 0
         self._declared.disagree(jobs, "holds that one's")
         if agenda is None or whole:
             self._agenda, self._whole_at = _Agenda(self._declared.jobs, jobs, self._look), self._read_at
             return
-        if met is not None:
-            self._agenda = agenda = _Agenda(self._declared.jobs, agenda.rows.values(), self._look)
+        agenda = self._agenda  # (made again if who runs changed)
+        assert agenda is not None, "read before"
         agenda.update(jobs)
         # A claim refused because the watermark moved (not because the job was paused: its row is
         # read, and left out), while the row read still has the old one: a writer of an older
@@ -8459,6 +8455,29 @@ class _Loop:
         if behind:
             again = await self._link.call(lambda s: [s.job(name) for name in behind])
             agenda.update(row for row in again if row is not None)
+
+    async def _read_runs(self, runs: bool, peers: bool) -> None:
+        """Read the runs alone (``runs``) and who runs on the store (``peers``), in one call."""
+        known = self._peers_key
+        if runs:
+            self._read_real = time.monotonic()
+        found, met = await self._link.call(lambda s: (s.runs() if runs else None, _met(s, known) if peers else None))
+        if found is not None:
+            self._found(found)
+        if peers:
+            self._met(True, met)
+
+    def _met(self, read: bool, met: tuple[_Who, dict[str, frozenset[str]]] | None) -> None:
+        """Keep who runs on the store, if ``read`` (``met``: who they are and what each declares,
+        None when unchanged); when each job is looked at follows from them."""
+        self._peers_unread = not read
+        if not read:
+            return
+        self._peers_at = self._clock.monotonic()
+        if met is not None:
+            self._peers_key, self._peers, self._first = *met, {}
+            if self._agenda is not None:
+                self._agenda = _Agenda(self._declared.jobs, self._agenda.rows.values(), self._look)
 
     def _peers_in(self) -> float:
         """Seconds until who runs on the store may be read again (<= 0: now): ``_PEERS_EVERY``
