@@ -8435,15 +8435,15 @@ class _Loop:
             lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None)
         )
         self._found(runs)
-        self._met(peers, met)
+        changed = self._met(peers, met)
         self.runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
         self._newest = newest or 0
         self._declared.disagree(jobs, "holds that one's")
         if agenda is None or whole:
             self._agenda, self._whole_at = _Agenda(self._declared.jobs, jobs, self._look), self._read_at
             return
-        agenda = self._agenda  # (made again if who runs changed)
-        assert agenda is not None, "read before"
+        if changed:  # (when each job is looked at, too)
+            self._agenda = agenda = _Agenda(self._declared.jobs, agenda.rows.values(), self._look)
         agenda.update(jobs)
         # A claim refused because the watermark moved (not because the job was paused: its row is
         # read, and left out), while the row read still has the old one: a writer of an older
@@ -8464,20 +8464,19 @@ class _Loop:
         found, met = await self._link.call(lambda s: (s.runs() if runs else None, _met(s, known) if peers else None))
         if found is not None:
             self._found(found)
-        if peers:
-            self._met(True, met)
+        if peers and self._met(True, met) and self._agenda is not None:  # (when each job is looked at, too)
+            self._agenda = _Agenda(self._declared.jobs, self._agenda.rows.values(), self._look)
 
-    def _met(self, read: bool, met: tuple[_Who, dict[str, frozenset[str]]] | None) -> None:
+    def _met(self, read: bool, met: tuple[_Who, dict[str, frozenset[str]]] | None) -> bool:
         """Keep who runs on the store, if ``read`` (``met``: who they are and what each declares,
-        None when unchanged); when each job is looked at follows from them."""
+        None when unchanged); whether they changed (the caller makes the agenda again)."""
         self._peers_unread = not read
-        if not read:
-            return
-        self._peers_at = self._clock.monotonic()
-        if met is not None:
-            self._peers_key, self._peers, self._first = *met, {}
-            if self._agenda is not None:
-                self._agenda = _Agenda(self._declared.jobs, self._agenda.rows.values(), self._look)
+        if read:
+            self._peers_at = self._clock.monotonic()
+        if met is None:
+            return False
+        self._peers_key, self._peers, self._first = *met, {}
+        return True
 
     def _peers_in(self) -> float:
         """Seconds until who runs on the store may be read again (<= 0: now): ``_PEERS_EVERY``
