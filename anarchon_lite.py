@@ -7893,6 +7893,11 @@ _LOOK_GAP = 0.02
 # written in the transaction of this process's next claim, when one is due that soon and before the
 # job's own next occurrence: one commit and one hop to the store's thread an occurrence, not two.
 _END_WAIT = 0.1
+# While one look claims more than a batch (a sweep: thousands due at once), the ends of the runs it
+# started wait until it is over, this long at most (seconds), unless their job comes due sooner: the
+# store's thread then claims batch after batch while the loop starts what was won, instead of writing
+# ends in the claims' way.
+_SWEEP_END_WAIT = 1.0
 _TIDY_GAP = 0.05  # seconds between two steps of the store's upkeep, when nothing is due sooner
 _TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before the next
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
@@ -8540,6 +8545,8 @@ class _Loop:
                     now_ms = _ms(self._clock.time())
                 moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
         finally:
+            if self._sweeping:  # (the ends that waited for the sweep to be over)
+                self.runner.write_ends()
             self._sweeping = False
         return moved
 
@@ -8603,19 +8610,24 @@ class _Loop:
         transaction of this process's next claim: when that comes within ``_END_WAIT`` (the next
         look is at an occurrence this process claims first) and before the job's own next
         occurrence starts, which this process claims first too (whichever process claims it must
-        find this run over). 0: written at once."""
+        find this run over). During a sweep, until it is over (``_SWEEP_END_WAIT`` at most), unless
+        the job comes due before. 0: written at once."""
         agenda, declared = self._agenda, self._declared.jobs.get(job)
-        if self.stopping or self._sweeping or agenda is None or declared is None:
+        row = None if agenda is None else agenda.rows.get(job)
+        if self.stopping or agenda is None or declared is None or row is None:
             return 0.0
-        first, row = agenda.first(), agenda.rows.get(job)
-        if first is None or row is None or not self._is_first(first[1]) or not self._is_first(job):
+        after = _next_due(declared, row)
+        if self._sweeping:  # (written once the sweep is over, unless its job comes due first)
+            until = _ms(self._clock.time() + _SWEEP_END_WAIT + _LOOK_GAP)
+            return _SWEEP_END_WAIT if after is None or declared.schedule.start_of(after) > until else 0.0
+        first = agenda.first()
+        if first is None or not self._is_first(first[1]) or not self._is_first(job):
             # (A look at another process's occurrence reads first, and may claim nothing; the next
             # occurrence of a job another process claims first may be claimed there before this
             # process's next claim commits.)
             return 0.0
         look = first[0]
         wait = max(look - _ms(self._clock.time()), 0) / 1000
-        after = _next_due(declared, row)
         if wait > _END_WAIT or (after is not None and declared.schedule.start_of(after) <= look + _ms(_LOOK_GAP)):
             return 0.0
         return wait + _LOOK_GAP  # (then the end is written alone, if that claim was not made)

@@ -373,6 +373,53 @@ def test_a_sweep_writes_the_ends_waiting_before_its_claims(db, clock, monkeypatc
     run(main())
 
 
+def test_the_ends_of_a_sweeps_runs_wait_until_its_claims_are_made(db, clock, monkeypatch):
+    """The ends of the runs a sweep started are written once its last batch is claimed (10,000
+    due at once started 7% sooner on one process, a fifth sooner on four), except the end of a job
+    that comes due again before: whichever process claims that occurrence must find this run over."""
+    monkeypatch.setattr(anarchon_lite, "_SWEEP_END_WAIT", 600.0)  # (however slow the machine: the sweep ends first)
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2 + 5)  # (5 s past a half hour)
+    calls = []  # (what the store's thread was asked, in its order: "claim", or the jobs of a write of ends)
+
+    def claiming(original, owner, now_ms, due):
+        calls.append("claim")
+        return original(owner, now_ms, due)
+
+    def ending(original, owner, ends):
+        calls.append({end.claim.job for end in ends})
+        return original(owner, ends)
+
+    async def main():
+        s = make(db, clock, store=faulty(claim_due_many=claiming, finish_many=ending))
+        names = {f"j{i}" for i in range(2 * anarchon_lite._CLAIM_BATCH + 50)}
+        for name in sorted(names):
+            s.every(name, "1h", lambda ctx: None, offset="30m", lease="3h")
+        s.every("often", "1s", lambda ctx: None, lease="3h")
+
+        async def swept():
+            return names <= {r.job for r in await s.history(limit=5000) if r.status == "succeeded"}
+
+        async with s:
+            clock.advance(1)
+            await wait_for(lambda: has(s, "often", "succeeded"), message="often ran")
+            s._loop._sweeping = True  # (as during a sweep: often comes due again within the wait, j0 not)
+            assert (s._loop._end_wait("often"), s._loop._end_wait("j0")) == (0.0, 600.0)
+            s._loop._sweeping = False
+            s.remove("often")  # (its end, written at once, would take the sweep's ends waiting with it)
+            calls.clear()
+            clock.advance((clock.time() // HOUR + 1) * HOUR + HOUR / 2 - clock.time())  # (the half hour)
+            await wait_for(swept, message="the sweep's runs")
+        claims = [at for at, call in enumerate(calls) if call == "claim"]
+        writes = [(at, jobs) for at, jobs in enumerate(calls) if jobs != "claim"]
+        assert len(claims) >= 3, calls  # (three batches, or more)
+        assert set().union(*(jobs for _, jobs in writes)) == names, calls
+        # (after the last claim: the ends that waited, then those of the last batch, which start after it)
+        assert len(writes) <= 2 and writes[0][0] > claims[-1], calls
+
+    run(main())
+
+
 def test_context_fields(db, clock, caplog):
     aligned(clock, 60)
     got = {}
