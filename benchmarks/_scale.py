@@ -12,7 +12,8 @@ time, whatever COUNT: what an occurrence costs beside how many jobs are declared
 
 ``python _scale.py burst DB COUNT AT UNTIL``: COUNT daily jobs all due at the Unix second AT, run by
 as many processes as the benchmark starts on one file; this one's starts, with how late each was, as
-it sees them at the Unix second UNTIL.
+it sees them at the Unix second UNTIL, and its CPU (all threads, and the event loop's thread) from
+0.3 s before AT until then.
 
 ``python _scale.py backlog DB COUNT SECONDS``: COUNT jobs every second (the benchmark has left a
 backlog of records in the first one's history, past the default retention); this one's starts, with
@@ -125,8 +126,11 @@ async def burst(at: float, until: float) -> dict[str, Any]:
     for i in range(COUNT):
         scheduler.every(f"job-{i}", "24h", handler, offset=f"{int(at) % 86_400}s")
     async with scheduler:
+        await asyncio.sleep(max(0.0, at - 0.3 - time.time()))
+        cpu, loop_cpu = time.process_time(), time.thread_time()  # (from just before the burst)
         await asyncio.sleep(max(0.0, until - time.time()))
-    return {"pid": os.getpid(), "starts": starts}
+        cpu, loop_cpu = time.process_time() - cpu, time.thread_time() - loop_cpu
+    return {"pid": os.getpid(), "starts": starts, "cpu_s": cpu, "loop_cpu_s": loop_cpu}
 
 
 async def backlog(seconds: float) -> dict[str, Any]:

@@ -628,6 +628,9 @@ def burst(db: str, count: int, processes: int) -> dict[str, Any]:
         "p50_s": percentile(starts, 50),
         "p99_s": percentile(starts, 99),
         "max_s": max(starts, default=float("nan")),
+        # (every process, from just before the burst to the end: the loop's thread is its bound)
+        "cpu_us_per_occurrence": sum(out["cpu_s"] for out in outs) / max(len(starts), 1) * 1e6,
+        "loop_cpu_us_per_occurrence": sum(out["loop_cpu_s"] for out in outs) / max(len(starts), 1) * 1e6,
     }
 
 
@@ -899,7 +902,8 @@ def report_scale(section: dict[str, Any]) -> None:
     for r in section["burst"]:
         print(
             f"{r['jobs']} jobs, {r['processes']} processes: started {r['started']} ({r['distinct']} distinct), "
-            f"per process {r['per_process']}, lateness p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, max {r['max_s']:.3f} s"
+            f"per process {r['per_process']}, lateness p50 {r['p50_s']:.3f} s, p99 {r['p99_s']:.3f} s, max {r['max_s']:.3f} s, "
+            f"CPU {r['cpu_us_per_occurrence']:.0f} µs an occurrence ({r['loop_cpu_us_per_occurrence']:.0f} on the loop's thread)"
         )
     h = section["history"]
     print(
