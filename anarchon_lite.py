@@ -7894,7 +7894,8 @@ _LOOK_GAP = 0.02
 # job's own next occurrence: one commit and one hop to the store's thread an occurrence, not two.
 _END_WAIT = 0.1
 # While one look claims more than a batch (a sweep: thousands due at once), the ends of the runs it
-# started wait until it is over, this long at most (seconds), unless their job comes due sooner: the
+# started wait until it is over, this long at most (seconds), unless their job comes due sooner or
+# another process claims it first: the
 # store's thread then claims batch after batch while the loop starts what was won, instead of writing
 # ends in the claims' way.
 _SWEEP_END_WAIT = 1.0
@@ -8610,8 +8611,8 @@ class _Loop:
         transaction of this process's next claim: when that comes within ``_END_WAIT`` (the next
         look is at an occurrence this process claims first) and before the job's own next
         occurrence starts, which this process claims first too (whichever process claims it must
-        find this run over). During a sweep, until it is over (``_SWEEP_END_WAIT`` at most), unless
-        the job comes due before. 0: written at once."""
+        find this run over). During a sweep, until it is over (``_SWEEP_END_WAIT`` at most), for a
+        job this process claims first that does not come due before. 0: written at once."""
         agenda, declared = self._agenda, self._declared.jobs.get(job)
         row = None if agenda is None else agenda.rows.get(job)
         if self.stopping or agenda is None or declared is None or row is None:
@@ -8619,7 +8620,10 @@ class _Loop:
         after = _next_due(declared, row)
         if self._sweeping:  # (written once the sweep is over, unless its job comes due first)
             until = _ms(self._clock.time() + _SWEEP_END_WAIT + _LOOK_GAP)
-            return _SWEEP_END_WAIT if after is None or declared.schedule.start_of(after) > until else 0.0
+            later = after is None or declared.schedule.start_of(after) > until
+            # (A job another process claims first: its next occurrence may be claimed there while
+            # this end waits behind a batch on the store's thread, and found unfinished: skipped.)
+            return _SWEEP_END_WAIT if later and self._is_first(job) else 0.0
         first = agenda.first()
         if first is None or not self._is_first(first[1]) or not self._is_first(job):
             # (A look at another process's occurrence reads first, and may claim nothing; the next
