@@ -7895,9 +7895,8 @@ _LOOK_GAP = 0.02
 _END_WAIT = 0.1
 # While one look claims more than a batch (a sweep: thousands due at once), the ends of the runs it
 # started wait until it is over, this long at most (seconds), unless their job comes due sooner or
-# another process claims it first: the
-# store's thread then claims batch after batch while the loop starts what was won, instead of writing
-# ends in the claims' way.
+# another process claims it first: the store's thread then claims batch after batch while the loop
+# starts what was won, instead of writing ends in the claims' way.
 _SWEEP_END_WAIT = 1.0
 _TIDY_GAP = 0.05  # seconds between two steps of the store's upkeep, when nothing is due sooner
 _TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before the next
@@ -8618,7 +8617,7 @@ class _Loop:
         if self.stopping or agenda is None or declared is None or row is None:
             return 0.0
         after = _next_due(declared, row)
-        if self._sweeping:  # (written once the sweep is over, unless its job comes due first)
+        if self._sweeping:  # (written once the sweep is over)
             until = _ms(self._clock.time() + _SWEEP_END_WAIT + _LOOK_GAP)
             later = after is None or declared.schedule.start_of(after) > until
             # (A job another process claims first: its next occurrence may be claimed there while
