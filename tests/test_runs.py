@@ -374,9 +374,10 @@ def test_a_sweep_writes_the_ends_waiting_before_its_claims(db, clock, monkeypatc
 
 
 def test_the_ends_of_a_sweeps_runs_wait_until_its_claims_are_made(db, clock, monkeypatch):
-    """The ends of the runs a sweep started are written once its last batch is claimed (10,000
-    due at once started 7% sooner on one process, a fifth sooner on four), except the end of a job
-    that comes due again before: whichever process claims that occurrence must find this run over."""
+    """The ends of the runs a sweep started are written once its last batch is claimed (the p99 of
+    10,000 due at once a tenth sooner on one process, a fifth or more on four), except the end of a
+    job that comes due again before: whichever process claims that occurrence must find this run
+    over (and of a job another process claims first: the next test)."""
     monkeypatch.setattr(anarchon_lite, "_SWEEP_END_WAIT", 600.0)  # (however slow the machine: the sweep ends first)
     aligned(clock, HOUR)
     clock.advance(-HOUR / 2 + 5)  # (5 s past a half hour)
