@@ -7465,6 +7465,12 @@ def _next_due(job: _Job, row: _JobRow) -> int | None:
     return job.next_due(row.last_slot, row.next_slot if row.definition == job.definition else None)
 
 
+def _comes_due_by(job: _Job, row: _JobRow, at_ms: int) -> bool:
+    """Whether the next occurrence of ``job`` after its watermark in ``row`` starts by ``at_ms``."""
+    after = _next_due(job, row)
+    return after is not None and job.schedule.start_of(after) <= at_ms
+
+
 class _Agenda:
     """The job rows as this process last read them, and the declared, unpaused jobs among them in
     the order they come due: a look finds what is due in time that grows with what is due, and a
@@ -8614,24 +8620,19 @@ class _Loop:
         job this process claims first that does not come due before. 0: written at once."""
         agenda, declared = self._agenda, self._declared.jobs.get(job)
         row = None if agenda is None else agenda.rows.get(job)
-        if self.stopping or agenda is None or declared is None or row is None:
+        if self.stopping or agenda is None or declared is None or row is None or not self._is_first(job):
+            # (The next occurrence of a job another process claims first may be claimed there before
+            # this end is written, and found unfinished: skipped.)
             return 0.0
-        after = _next_due(declared, row)
         if self._sweeping:  # (written once the sweep is over)
             until = _ms(self._clock.time() + _SWEEP_END_WAIT + _LOOK_GAP)
-            later = after is None or declared.schedule.start_of(after) > until
-            # (A job another process claims first: its next occurrence may be claimed there while
-            # this end waits behind a batch on the store's thread, and found unfinished: skipped.)
-            return _SWEEP_END_WAIT if later and self._is_first(job) else 0.0
+            return 0.0 if _comes_due_by(declared, row, until) else _SWEEP_END_WAIT
         first = agenda.first()
-        if first is None or not self._is_first(first[1]) or not self._is_first(job):
-            # (A look at another process's occurrence reads first, and may claim nothing; the next
-            # occurrence of a job another process claims first may be claimed there before this
-            # process's next claim commits.)
-            return 0.0
+        if first is None or not self._is_first(first[1]):
+            return 0.0  # (a look at another process's occurrence reads first, and may claim nothing)
         look = first[0]
         wait = max(look - _ms(self._clock.time()), 0) / 1000
-        if wait > _END_WAIT or (after is not None and declared.schedule.start_of(after) <= look + _ms(_LOOK_GAP)):
+        if wait > _END_WAIT or _comes_due_by(declared, row, look + _ms(_LOOK_GAP)):
             return 0.0
         return wait + _LOOK_GAP  # (then the end is written alone, if that claim was not made)
 
