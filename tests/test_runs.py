@@ -1168,6 +1168,54 @@ def test_a_thread_handler_raising_stop_iteration_ends_its_attempt(db):
     run(main())
 
 
+@pytest.mark.parametrize("kind", ["async", "thread"])
+def test_a_handler_that_takes_no_context_fails_its_attempt(db, kind):
+    """Calling the handler is part of its attempt: an ``async def`` that takes no ``ctx`` raised
+    ``TypeError`` out of the attempt's task before, and its run stayed ``running``."""
+
+    async def main():
+        s = make(db)
+
+        async def async_handler():
+            pass
+
+        def thread_handler():
+            pass
+
+        s.every("no-ctx", "24h", async_handler if kind == "async" else thread_handler, offset=QUIET)
+        async with s:
+            await s.trigger("no-ctx")
+            await wait_for(lambda: has(s, "no-ctx", "failed"), timeout=5)
+        [record] = await s.history("no-ctx")
+        assert "TypeError" in record.error and "positional argument" in record.error
+
+    run(main())
+
+
+def test_an_async_on_failure_is_not_taken_for_the_attempt_it_is_told_of(db):
+    """What follows an ``async`` handler in its attempt's task (``on_failure``, a task made there)
+    does not run as that attempt: the checkpoint of the failed run is written, not refused."""
+    written = []
+
+    async def main():
+        s = make(db)
+
+        async def on_failure(record):
+            await s.checkpoints.set(record.job, record.slot, "looked at")
+            written.append(await s.checkpoints.get(record.job, record.slot))
+
+        @s.every("fails", "24h", offset=QUIET, on_failure=on_failure)
+        async def fails(ctx):
+            raise ValueError("boom")
+
+        async with s:
+            await s.trigger("fails")
+            await wait_for(lambda: written, message="on_failure")
+        assert written == ["looked at"]
+
+    run(main())
+
+
 def test_sync_checkpoint_calls_from_an_async_handler_fail_at_once(db):
     errors = []
 
