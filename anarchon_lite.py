@@ -574,6 +574,10 @@ def _nothing() -> None:
     return None
 
 
+def _call(function: Callable[..., T], *args: Any) -> T:
+    return function(*args)
+
+
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -6895,11 +6899,11 @@ class _AsyncCall:
         self.cancels += 1
         self.task.cancel()
 
-    def cancelled_by_grace(self) -> bool:
-        """Whether the ``CancelledError`` the handler let out was asked for by its grace alone (on
-        Python 3.11 and newer a cancellation of the task from outside is told apart too)."""
+    def cancelled_from_outside(self) -> bool:
+        """Whether the task was cancelled by others than its grace: the event loop closing (told
+        on Python 3.11 and newer, where a task counts the cancellations asked of it)."""
         cancelling = getattr(self.task, "cancelling", None)
-        return self.cancels > 0 and (cancelling is None or cancelling() <= self.cancels)
+        return cancelling is not None and cancelling() > self.cancels
 
     def end(self) -> None:
         """The handler has ended: the grace is over, and its cancellations no longer count."""
@@ -7150,6 +7154,7 @@ class _Runner:
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
         self.tasks: set[asyncio.Task[None]] = set()  #: one per running attempt
+        self.dropped: set[asyncio.Task[None]] = set()  #: the tasks a stop gave up on and cancelled
         self.hooks: set[asyncio.Future[Any]] = set()  #: ``on_failure`` calls still running
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
@@ -7166,6 +7171,7 @@ class _Runner:
         """Attach the threads that keep attempts alive, as the scheduler starts serving."""
         self._heartbeats, self._timers, self._watchdog = heartbeats, timers, watchdog
         self.hurry = asyncio.Event()
+        self.dropped = set()
 
     def abort(self, reason: Callable[[str], Aborted], job: str | None = None) -> None:
         """Abort the running attempts (of ``job``, or all) with ``reason(job name)``."""
@@ -7218,7 +7224,8 @@ class _Runner:
         self.hurry.set()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=_HURRIED)
-        for task in list(self.tasks):  # a store that does not answer: the next owner takes the runs over
+        self.dropped = set(self.tasks)
+        for task in self.dropped:  # a store that does not answer: the next owner takes the runs over
             task.cancel()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=1.0)
@@ -7250,15 +7257,20 @@ class _Runner:
                 self._clock.monotonic() + limit,
                 lambda: token.abort(RunTimeout(f"{job.name}: timed out after {format_duration(limit)}")),
             )
+        before = None
         try:
-            outcome = await (self._call_async(attempt) if job.is_async else self._call_thread(attempt))
+            if job.is_async:  # (the handler runs in this task: what follows it, in the context it had before)
+                before = contextvars.copy_context()
+                outcome = await self._call_async(attempt)
+            else:
+                outcome = await self._call_thread(attempt)
         finally:
             cancel_timeout()
             attempt.done = True
             self._watchdog.release()
             self.running.pop((claim.job, claim.slot), None)
             self.ended.add((claim.job, claim.slot, claim.attempt))
-        await self._settle(attempt, outcome)
+        await self._settle(attempt, outcome, before)
 
     def _context(self, attempt: _Attempt) -> RunContext:
         claim = attempt.claim
@@ -7286,20 +7298,21 @@ class _Runner:
         call = _AsyncCall(task, attempt.job.options.grace)
         token = attempt.token
         unhook = token.on_abort(lambda _reason: loop.call_soon_threadsafe(self._keep_grace, call, attempt))
-        set_attempt = _current_attempt.set(attempt)  # (the handler's calls see it; what follows the handler does not)
+        _current_attempt.set(attempt)  # (in this task's context; ``_run`` goes on in the one from before)
         work: asyncio.Future[Any] = loop.create_future()  # (done at once: what ``_outcome`` judges)
         try:
             coroutine = attempt.job.handler(self._context(attempt))
             call.driven = _AbandonableCoroutine(coroutine if inspect.iscoroutine(coroutine) else _await(coroutine))
             work.set_result(await call.driven)
         except asyncio.CancelledError:
-            if not call.cancelled_by_grace():
-                raise  # (this task was cancelled from outside: the attempt's end is not written here)
-            work.cancel()
-        except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome`` (``_safe_to_raise`` made it safe)
-            work.set_exception(exc)
+            if task in self.dropped or (not token.aborted and call.cancelled_from_outside()):
+                raise  # (the attempt's end is not written here)
+            work.cancel()  # the handler's own ending, or its grace's: judged by the token's reason
+        except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome``
+            work.set_exception(
+                _safe_to_raise(exc)
+            )  # (the wrapper made what the handler raised safe; not what calling it did)
         finally:
-            _current_attempt.reset(set_attempt)
             unhook()
             call.end()
         return _outcome(work, token, call.grace)
@@ -7368,11 +7381,14 @@ class _Runner:
         if not work.done() and hurry.is_set():
             await asyncio.wait({work}, timeout=_LAST_WORDS)
 
-    async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
-        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
+    async def _settle(self, attempt: _Attempt, outcome: _Outcome, before: contextvars.Context | None) -> None:
+        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it.
+        What is told of it (the log, the listeners, ``on_failure``) runs in ``before``, the context
+        of an ``async`` handler's task before the handler ran: what the handler set stays its own."""
+        tell = before.run if before is not None else _call
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
-            self._events.end(attempt, outcome, duration, _AfterEnd.DONE)
+            tell(self._events.end, attempt, outcome, duration, _AfterEnd.DONE)
             return
         claim, options = attempt.claim, attempt.job.options
         then, not_before = _AfterEnd.DONE, 0
@@ -7383,7 +7399,7 @@ class _Runner:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
             then, not_before = _AfterEnd.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
-        self._events.end(attempt, outcome, duration, then)
+        tell(self._events.end, attempt, outcome, duration, then)
         written = False
         for tries in range(60):
             try:
@@ -7404,7 +7420,7 @@ class _Runner:
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
         if written and end.status in _FAILED:
-            self._ended_failed(attempt.job, end)
+            tell(self._ended_failed, attempt.job, end)
         if then is not _AfterEnd.DONE:
             self._poke()
 

@@ -3,7 +3,10 @@ clock jumps, what careless handlers cannot do, records and their pruning."""
 
 import asyncio
 import contextlib
+import contextvars
+import inspect
 import logging
+import sys
 import threading
 import time
 
@@ -1188,6 +1191,124 @@ def test_a_handler_that_takes_no_context_fails_its_attempt(db, kind):
             await wait_for(lambda: has(s, "no-ctx", "failed"), timeout=5)
         [record] = await s.history("no-ctx")
         assert "TypeError" in record.error and "positional argument" in record.error
+
+    run(main())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="inspect.markcoroutinefunction is new in 3.12")
+def test_a_handler_marked_async_that_raises_stop_iteration_when_called_fails_its_attempt(db):
+    """What calling a handler raises is made safe as what it raises while it runs: a
+    ``StopIteration`` could not be set on a future, and the attempt's task ended with no end."""
+
+    def handler(ctx):
+        raise StopIteration("at once")
+
+    async def main():
+        s = make(db)
+        s.every("marked", "24h", inspect.markcoroutinefunction(handler), offset=QUIET)
+        async with s:
+            await s.trigger("marked")
+            await wait_for(lambda: has(s, "marked", "failed"), timeout=5)
+        [record] = await s.history("marked")
+        assert "StopIteration" in record.error
+
+    run(main())
+
+
+def test_a_handler_whose_own_cancelled_error_ends_it_has_its_end_written(db):
+    """A ``CancelledError`` that no stop, cancel or grace asked for (an awaited task that someone
+    else cancelled) ends the attempt as failed; it is not taken for the attempt's task being
+    cancelled (found by a review: the run stayed ``running``)."""
+
+    async def main():
+        s = make(db)
+
+        @s.every("gives-up", "24h", offset=QUIET)
+        async def gives_up(ctx):
+            inner = asyncio.ensure_future(asyncio.sleep(10))
+            asyncio.get_running_loop().call_later(0.05, inner.cancel)
+            await inner
+
+        async with s:
+            await s.trigger("gives-up")
+            await wait_for(lambda: has(s, "gives-up", "failed"), timeout=5)
+
+    run(main())
+
+
+def test_a_handler_that_cancels_its_own_task_on_abort_ends_as_its_abort_says(db):
+    """``asyncio.current_task().cancel()`` on abort (a handler's way to stop at once) ends the
+    attempt with the status of the abort's reason: cancelled after ``scheduler.cancel``."""
+
+    async def main():
+        s = make(db)
+
+        @s.every("self-cancel", "24h", offset=QUIET, grace="10s")
+        async def handler(ctx):
+            me = asyncio.current_task()
+            ctx.signal.on_abort(lambda _reason: me.get_loop().call_soon_threadsafe(me.cancel))
+            await asyncio.sleep(60)
+
+        async with s:
+            await s.trigger("self-cancel")
+            await wait_for(lambda: s._loop.runner.running)
+            await s.cancel("self-cancel")
+            await wait_for(lambda: has(s, "self-cancel", "cancelled"), timeout=5)
+
+    run(main())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is new in 3.11")
+def test_a_handler_that_used_a_task_group_is_handed_over_at_a_stop(db):
+    """On Python 3.11 and 3.12 a task group whose child failed leaves its task's count of
+    cancellations raised; the grace's cancel after a stop is still the grace's own."""
+
+    async def main():
+        s = make(db)
+
+        @s.every("grouped", "24h", offset=QUIET, grace="300ms")
+        async def handler(ctx):
+            async def fails():
+                raise ValueError("child")
+
+            with contextlib.suppress(Exception):  # (the group's ExceptionGroup)
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(fails())
+                    group.create_task(asyncio.sleep(5))
+            await asyncio.sleep(60)  # deaf to its signal: cancelled after its grace
+
+        async with s:
+            await s.trigger("grouped")
+            await wait_for(lambda: s._loop.runner.running)
+            await s.stop(grace=1)
+        assert [st for _, _, st in await statuses(s)] == ["interrupted"]
+
+    run(main())
+
+
+_SET_BY_HANDLER = contextvars.ContextVar("set_by_handler", default="unset")
+
+
+def test_what_an_async_handler_sets_in_its_context_stays_its_own(db):
+    """The listeners of its end and ``on_failure`` run in the context from before the handler."""
+    seen = []
+
+    async def main():
+        s = make(db)
+        s.on_event(lambda event: seen.append((event.kind, _SET_BY_HANDLER.get())))
+
+        async def on_failure(record):
+            seen.append(("on_failure", _SET_BY_HANDLER.get()))
+
+        @s.every("sets", "24h", offset=QUIET, on_failure=on_failure)
+        async def handler(ctx):
+            _SET_BY_HANDLER.set("the handler's")
+            raise ValueError("boom")
+
+        async with s:
+            await s.trigger("sets")
+            await wait_for(lambda: ("on_failure", "unset") in seen or len(seen) > 2, message="on_failure")
+        assert seen == [("started", "unset"), ("failed", "unset"), ("on_failure", "unset")]
 
     run(main())
 
