@@ -6976,6 +6976,8 @@ def _outcome(work: asyncio.Future[Any], token: CancelToken, grace: float) -> _Ou
         return _Outcome(None)
     if isinstance(reason, RunTimeout):
         return _Outcome("timed_out", str(reason), retryable=True)
+    if reason is None and work.cancelled():
+        return _Outcome("failed", "asyncio.CancelledError: the handler ended cancelled, with no abort", retryable=True)
     if not work.done() or work.cancelled():
         status = next((s for cls, s in _ABORT_STATUS.items() if isinstance(reason, cls)), "failed")
         return _Outcome(status, f"did not return within the {format_duration(grace)} grace period after: {reason}")

@@ -1232,6 +1232,8 @@ def test_a_handler_whose_own_cancelled_error_ends_it_has_its_end_written(db):
         async with s:
             await s.trigger("gives-up")
             await wait_for(lambda: has(s, "gives-up", "failed"), timeout=5)
+        [record] = await s.history("gives-up")
+        assert record.error == "asyncio.CancelledError: the handler ended cancelled, with no abort"
 
     run(main())
 
