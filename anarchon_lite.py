@@ -7156,6 +7156,9 @@ class _Runner:
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
         self.tasks: set[asyncio.Task[None]] = set()  #: one per running attempt
+        self._discard = self.tasks.discard  # (one bound method for every task's done callback)
+        #: what is told of an async handler's end runs in a copy of the context the scheduler serves in
+        self._outside: Callable[..., Any] = _call
         self.dropped: set[asyncio.Task[None]] = set()  #: the tasks a stop gave up on and cancelled
         self.hooks: set[asyncio.Future[Any]] = set()  #: ``on_failure`` calls still running
         self.grace = 10.0  #: the grace of the stop in progress
@@ -7174,6 +7177,8 @@ class _Runner:
         self._heartbeats, self._timers, self._watchdog = heartbeats, timers, watchdog
         self.hurry = asyncio.Event()
         self.dropped = set()
+        serving = contextvars.copy_context()
+        self._outside = lambda function, *args: serving.copy().run(function, *args)
 
     def abort(self, reason: Callable[[str], Aborted], job: str | None = None) -> None:
         """Abort the running attempts (of ``job``, or all) with ``reason(job name)``."""
@@ -7208,7 +7213,7 @@ class _Runner:
         self.running[(claim.job, claim.slot)] = attempt
         task = asyncio.get_running_loop().create_task(self._run(attempt))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._discard)
         self.started()
 
     async def drain(self) -> None:
@@ -7247,32 +7252,28 @@ class _Runner:
 
     async def _run(self, attempt: _Attempt) -> None:
         assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
-        job, claim, token = attempt.job, attempt.claim, attempt.token
+        job, claim = attempt.job, attempt.claim
         self._heartbeats.add(attempt)
         self._watchdog.acquire()
         attempt.started = self._clock.monotonic()
         self._events.tell(logging.INFO, "started", claim.job, claim.slot, claim.attempt, "started", status="running")
-        cancel_timeout = _nothing
-        if job.options.timeout is not None:
-            limit = job.options.timeout
-            cancel_timeout = self._timers.call_at(
-                self._clock.monotonic() + limit,
-                lambda: token.abort(RunTimeout(f"{job.name}: timed out after {format_duration(limit)}")),
-            )
-        before = None
+        cancel_timeout = _nothing if job.options.timeout is None else self._time_out(attempt, job.options.timeout)
         try:
-            if job.is_async:  # (the handler runs in this task: what follows it, in the context it had before)
-                before = contextvars.copy_context()
-                outcome = await self._call_async(attempt)
-            else:
-                outcome = await self._call_thread(attempt)
+            outcome = await (self._call_async(attempt) if job.is_async else self._call_thread(attempt))
         finally:
             cancel_timeout()
             attempt.done = True
             self._watchdog.release()
             self.running.pop((claim.job, claim.slot), None)
             self.ended.add((claim.job, claim.slot, claim.attempt))
-        await self._settle(attempt, outcome, before)
+        await self._settle(attempt, outcome)
+
+    def _time_out(self, attempt: _Attempt, limit: float) -> Callable[[], None]:
+        """Abort ``attempt`` with ``RunTimeout`` once ``limit`` seconds have passed; returns what
+        cancels that. (Not in ``_run``: what its lambda would hold stays alive with every attempt.)"""
+        assert self._timers is not None
+        reason = f"{attempt.job.name}: timed out after {format_duration(limit)}"
+        return self._timers.call_at(self._clock.monotonic() + limit, lambda: attempt.token.abort(RunTimeout(reason)))
 
     def _context(self, attempt: _Attempt) -> RunContext:
         claim = attempt.claim
@@ -7383,11 +7384,11 @@ class _Runner:
         if not work.done() and hurry.is_set():
             await asyncio.wait({work}, timeout=_LAST_WORDS)
 
-    async def _settle(self, attempt: _Attempt, outcome: _Outcome, before: contextvars.Context | None) -> None:
+    async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
         """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it.
-        What is told of it (the log, the listeners, ``on_failure``) runs in ``before``, the context
-        of an ``async`` handler's task before the handler ran: what the handler set stays its own."""
-        tell = before.run if before is not None else _call
+        What is told of an ``async`` handler's end (the log, the listeners, ``on_failure``) runs in
+        the context the scheduler serves in, not in the task where the handler set its own."""
+        tell = self._outside if attempt.job.is_async else _call
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
             tell(self._events.end, attempt, outcome, duration, _AfterEnd.DONE)
@@ -7405,7 +7406,7 @@ class _Runner:
         written = False
         for tries in range(60):
             try:
-                written = await self._finish(end, attempt)
+                written = await self._finish(end, attempt)  # (a future: no coroutine to keep alive)
                 break
             except Exception as exc:  # noqa: BLE001 - a StoreError passes; anything else is this end's own
                 if not isinstance(exc, StoreError):  # the end as bare as can be: its status alone
@@ -7471,7 +7472,7 @@ class _Runner:
                 exc_info=(type(exc), exc, exc.__traceback__),
             )
 
-    async def _finish(self, end: _End, attempt: _Attempt) -> bool:
+    def _finish(self, end: _End, attempt: _Attempt) -> asyncio.Future[bool]:
         """Write an attempt's end. The ends of attempts that finish together are written in one
         transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy. An
         end with its run over may wait a little for this process's next claim (``end_wait``),
@@ -7490,7 +7491,7 @@ class _Runner:
             self._flush_at = at
             # (at once: after the attempts ending in this turn of the loop)
             self._flush = loop.call_at(at, self.write_ends) if wait else loop.call_soon(self.write_ends)
-        return await future
+        return future
 
     def take_ends(self) -> list[tuple[_End, asyncio.Future[bool]]]:
         """The ends waiting, no longer planned to be written: the caller writes them and tells
