@@ -176,6 +176,38 @@ def test_a_short_lease_started_beside_a_long_one_is_renewed_in_time(db):
     run(main())
 
 
+def test_short_attempts_one_after_another_do_not_wake_the_heartbeat_thread_each(db, monkeypatch):
+    """An attempt that ends before the heartbeat thread looks leaves its round planned: the next
+    one, started before that round, is renewed by it without waking the thread (each woke it, two
+    wake-ups an occurrence, once an async handler's attempt took one step of the loop)."""
+    looks = []
+    round_ = al._Heartbeats._round
+
+    def counted(self):
+        if threading.current_thread() is self:
+            looks.append(time.monotonic())
+        return round_(self)
+
+    monkeypatch.setattr(al._Heartbeats, "_round", counted)
+    ran = []
+
+    async def main():
+        s = make(db)
+
+        @s.every("often", "100ms", lease="30s")
+        async def often(ctx):
+            ran.append(ctx.slot)
+
+        async with s:
+            await wait_for(lambda: len(ran) >= 2, message="the first runs")
+            first = len(ran), len(looks)
+            await wait_for(lambda: len(ran) >= first[0] + 20, timeout=30, message="twenty more runs")
+            runs, thread_looks = len(ran) - first[0], len(looks) - first[1]
+        assert thread_looks <= 3, f"the heartbeat thread looked {thread_looks} times in {runs} runs"
+
+    run(main())
+
+
 def test_leases_of_jobs_with_quotes_commas_and_braces_in_their_names_are_renewed(db):
     names = ['we"ird, {name}\\', "plain"]
 
