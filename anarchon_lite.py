@@ -6840,12 +6840,13 @@ def _safe_to_raise(exc: BaseException) -> BaseException:
 
 
 class _AbandonableCoroutine:
-    """An ``async`` handler's coroutine, stepped for its task by this object instead of by ``await``.
+    """An ``async`` handler's coroutine, stepped for its attempt's task by this object instead of by
+    ``await``.
 
     Exceptions are passed through ``_safe_to_raise``. ``abandon()`` handles a coroutine that swallows
     ``CancelledError``: at the next step (the task's next cancel), the coroutine is closed
     (``GeneratorExit`` at the ``await`` where it waits, so its ``finally`` blocks run) and is never
-    resumed again, whatever it does; the task ends cancelled.
+    resumed again, whatever it does; the ``CancelledError`` comes out of the ``await`` of this object.
     """
 
     def __init__(self, coroutine: Coroutine[Any, Any, Any]):
@@ -7300,7 +7301,7 @@ class _Runner:
 
     async def _call_async(self, attempt: _Attempt) -> _Outcome:
         """Run an ``async`` handler in this attempt's own task: no second task, no future to wait
-        on the two (a burst of 10,000 spent a fifth of its loop's time on them). After an abort,
+        on the two (a burst of 10,000 spent a sixth of its loop's time on them). After an abort,
         ``_keep_grace`` gives the handler its grace period, then cancels it, then abandons it.
         Returns what the attempt's record should say."""
         loop = asyncio.get_running_loop()
@@ -7309,7 +7310,7 @@ class _Runner:
         call = _AsyncCall(task, attempt.job.options.grace)
         token = attempt.token
         unhook = token.on_abort(lambda _reason: loop.call_soon_threadsafe(self._keep_grace, call, attempt))
-        _current_attempt.set(attempt)  # (in this task's context; ``_run`` goes on in the one from before)
+        _current_attempt.set(attempt)  # (for the handler's calls; what is told of its end runs in ``_outside``)
         work: asyncio.Future[Any] = loop.create_future()  # (done at once: what ``_outcome`` judges)
         try:
             coroutine = attempt.job.handler(self._context(attempt))
@@ -7320,9 +7321,8 @@ class _Runner:
                 raise  # (the attempt's end is not written here)
             work.cancel()  # the handler's own ending, or its grace's: judged by the token's reason
         except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome``
-            work.set_exception(
-                _safe_to_raise(exc)
-            )  # (the wrapper made what the handler raised safe; not what calling it did)
+            # (The wrapper made what the handler raised safe to raise; not what calling it raised.)
+            work.set_exception(_safe_to_raise(exc))
         finally:
             unhook()
             call.end()
