@@ -574,10 +574,6 @@ def _nothing() -> None:
     return None
 
 
-def _call(function: Callable[..., T], *args: Any) -> T:
-    return function(*args)
-
-
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -6840,13 +6836,12 @@ def _safe_to_raise(exc: BaseException) -> BaseException:
 
 
 class _AbandonableCoroutine:
-    """An ``async`` handler's coroutine, stepped for its attempt's task by this object instead of by
-    ``await``.
+    """An ``async`` handler's coroutine, stepped for its task by this object instead of by ``await``.
 
     Exceptions are passed through ``_safe_to_raise``. ``abandon()`` handles a coroutine that swallows
     ``CancelledError``: at the next step (the task's next cancel), the coroutine is closed
     (``GeneratorExit`` at the ``await`` where it waits, so its ``finally`` blocks run) and is never
-    resumed again, whatever it does; the ``CancelledError`` comes out of the ``await`` of this object.
+    resumed again, whatever it does; the task ends cancelled.
     """
 
     def __init__(self, coroutine: Coroutine[Any, Any, Any]):
@@ -6887,41 +6882,6 @@ class _AbandonableCoroutine:
             self._coroutine.close()
         except BaseException as exc:  # noqa: BLE001 - it ignored GeneratorExit too: it is dropped
             _log.warning("an abandoned handler did not stop when closed: %s: %s", type(exc).__name__, exc)
-
-
-class _AsyncCall:
-    """An ``async`` handler running in its attempt's own task, and what holding it to its grace
-    after an abort needs (``_Runner._call_async``)."""
-
-    __slots__ = ("cancels", "driven", "ended", "grace", "keeper", "over", "task")
-
-    def __init__(self, task: asyncio.Task[Any], grace: float):
-        self.task, self.grace = task, grace
-        self.driven: _AbandonableCoroutine | None = None
-        self.over: asyncio.Future[None] | None = None  #: done when the handler has ended; made at an abort
-        self.keeper: asyncio.Task[None] | None = None  #: the task holding it to its grace (a reference kept)
-        self.cancels = 0  #: cancellations of the task that the grace asked for
-        self.ended = False
-
-    def cancel(self) -> None:
-        """``CancelledError`` in the handler, at the ``await`` where it waits."""
-        self.cancels += 1
-        self.task.cancel()
-
-    def cancelled_from_outside(self) -> bool:
-        """Whether the task was cancelled by others than its grace: the event loop closing (told
-        on Python 3.11 and newer, where a task counts the cancellations asked of it)."""
-        cancelling = getattr(self.task, "cancelling", None)
-        return cancelling is not None and cancelling() > self.cancels
-
-    def end(self) -> None:
-        """The handler has ended: the grace is over, and its cancellations no longer count."""
-        self.ended = True
-        if self.over is not None:
-            _resolve(self.over)
-        if self.cancels and hasattr(self.task, "uncancel"):  # (Python 3.11 and newer count them)
-            for _ in range(self.cancels):
-                self.task.uncancel()
 
 
 @dataclasses.dataclass
@@ -7166,9 +7126,6 @@ class _Runner:
         self.ended: set[tuple[str, int, int]] = set()
         self.tasks: set[asyncio.Task[None]] = set()  #: one per running attempt
         self._discard = self.tasks.discard  # (one bound method for every task's done callback)
-        #: what is told of an async handler's end runs in a copy of the context the scheduler serves in
-        self._outside: Callable[..., Any] = _call
-        self.dropped: set[asyncio.Task[None]] = set()  #: the tasks a stop gave up on and cancelled
         self.hooks: set[asyncio.Future[Any]] = set()  #: ``on_failure`` calls still running
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
@@ -7185,9 +7142,6 @@ class _Runner:
         """Attach the threads that keep attempts alive, as the scheduler starts serving."""
         self._heartbeats, self._timers, self._watchdog = heartbeats, timers, watchdog
         self.hurry = asyncio.Event()
-        self.dropped = set()
-        serving = contextvars.copy_context()
-        self._outside = lambda function, *args: serving.copy().run(function, *args)
 
     def abort(self, reason: Callable[[str], Aborted], job: str | None = None) -> None:
         """Abort the running attempts (of ``job``, or all) with ``reason(job name)``."""
@@ -7240,8 +7194,7 @@ class _Runner:
         self.hurry.set()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=_HURRIED)
-        self.dropped = set(self.tasks)
-        for task in self.dropped:  # a store that does not answer: the next owner takes the runs over
+        for task in list(self.tasks):  # a store that does not answer: the next owner takes the runs over
             task.cancel()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=1.0)
@@ -7268,7 +7221,7 @@ class _Runner:
         self._events.tell(logging.INFO, "started", claim.job, claim.slot, claim.attempt, "started", status="running")
         cancel_timeout = _nothing if job.options.timeout is None else self._time_out(attempt, job.options.timeout)
         try:
-            outcome = await (self._call_async(attempt) if job.is_async else self._call_thread(attempt))
+            outcome = await self._call_handler(attempt)
         finally:
             cancel_timeout()
             attempt.done = True
@@ -7299,69 +7252,28 @@ class _Runner:
             _store=self._link.call,
         )
 
-    async def _call_async(self, attempt: _Attempt) -> _Outcome:
-        """Run an ``async`` handler in this attempt's own task: no second task, no future to wait
-        on the two (a burst of 10,000 spent a sixth of its loop's time on them). After an abort,
-        ``_keep_grace`` gives the handler its grace period, then cancels it, then abandons it.
-        Returns what the attempt's record should say."""
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        call = _AsyncCall(task, attempt.job.options.grace)
-        token = attempt.token
-        unhook = token.on_abort(lambda _reason: loop.call_soon_threadsafe(self._keep_grace, call, attempt))
-        _current_attempt.set(attempt)  # (for the handler's calls; what is told of its end runs in ``_outside``)
-        work: asyncio.Future[Any] = loop.create_future()  # (done at once: what ``_outcome`` judges)
-        try:
-            coroutine = attempt.job.handler(self._context(attempt))
-            call.driven = _AbandonableCoroutine(coroutine if inspect.iscoroutine(coroutine) else _await(coroutine))
-            work.set_result(await call.driven)
-        except asyncio.CancelledError:
-            if task in self.dropped or (not token.aborted and call.cancelled_from_outside()):
-                raise  # (the attempt's end is not written here)
-            work.cancel()  # the handler's own ending, or its grace's: judged by the token's reason
-        except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome``
-            # (The wrapper made what the handler raised safe to raise; not what calling it raised.)
-            work.set_exception(_safe_to_raise(exc))
-        finally:
-            unhook()
-            call.end()
-        return _outcome(work, token, call.grace)
-
-    def _keep_grace(self, call: _AsyncCall, attempt: _Attempt) -> None:
-        """The token of ``call``'s attempt aborted: unless its handler has ended, start the task
-        that holds it to its grace (made only then: an attempt that is never aborted costs none)."""
-        if call.over is not None or call.ended:
-            return
-        loop = asyncio.get_running_loop()
-        call.over = loop.create_future()
-        if isinstance(attempt.token.reason, Shutdown):
-            call.grace = min(call.grace, self.grace)
-        call.keeper = loop.create_task(self._hold_to_grace(call, call.over))
-
-    async def _hold_to_grace(self, call: _AsyncCall, over: asyncio.Future[None]) -> None:
-        """After an abort: the grace to return by itself, then ``CancelledError`` in the handler
-        and another grace, then the handler is closed at its next step (``_AbandonableCoroutine``),
-        which its task takes at once."""
-        await self._within(over, call.grace)
-        if not over.done():
-            call.cancel()
-            await self._within(over, call.grace)
-        if not over.done() and call.driven is not None:
-            call.driven.abandon()  # it swallowed the cancel
-            call.cancel()
-
-    async def _call_thread(self, attempt: _Attempt) -> _Outcome:
-        """Run a plain handler in a thread; after an abort, give it its grace period, then abandon
-        it (a thread cannot be stopped: its writes are fenced). Returns what the attempt's record
-        should say."""
+    async def _call_handler(self, attempt: _Attempt) -> _Outcome:
+        """Run the handler; after an abort, give it its grace period, then cancel (async) or
+        abandon (thread) it. Returns what the attempt's record should say."""
         ctx = self._context(attempt)
         token = attempt.token
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
         context.run(_current_attempt.set, attempt)
-        work: asyncio.Future[Any] = loop.create_future()
-        _start_thread(attempt.job.handler, ctx, context, work, loop)
+        work: asyncio.Future[Any]
+        driven = None
+        if attempt.job.is_async:
+            try:  # (calling it is part of the attempt: an ``async def`` that takes no ``ctx`` fails it)
+                coroutine = context.run(attempt.job.handler, ctx)
+            except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome``, made safe as what it raises
+                work = loop.create_future()
+                work.set_exception(_safe_to_raise(exc))
+            else:
+                driven = _AbandonableCoroutine(coroutine if inspect.iscoroutine(coroutine) else _await(coroutine))
+                work = context.run(loop.create_task, _await(driven))
+        else:
+            work = loop.create_future()
+            _start_thread(attempt.job.handler, ctx, context, work, loop)
         # Until the handler returns or its token aborts (from any thread): one future, no task.
         either: asyncio.Future[None] = loop.create_future()
         work.add_done_callback(lambda _work: _resolve(either))
@@ -7372,6 +7284,13 @@ class _Runner:
             if not work.done() and isinstance(token.reason, Shutdown):
                 grace = min(grace, self.grace)
             await self._within(work, grace)  # the grace to return by itself
+            if not work.done() and driven is not None:
+                work.cancel()  # then CancelledError, and another grace
+                await self._within(work, grace)
+            if not work.done() and driven is not None:
+                driven.abandon()  # it swallowed the cancel: close it at its next await
+                work.cancel()
+                await asyncio.wait({work}, timeout=_LAST_WORDS)
         finally:
             unhook()
         return _outcome(work, token, grace)
@@ -7393,13 +7312,10 @@ class _Runner:
             await asyncio.wait({work}, timeout=_LAST_WORDS)
 
     async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
-        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it.
-        What is told of an ``async`` handler's end (the log, the listeners, ``on_failure``) runs in
-        the context the scheduler serves in, not in the task where the handler set its own."""
-        tell = self._outside if attempt.job.is_async else _call
+        """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
-            tell(self._events.end, attempt, outcome, duration, _AfterEnd.DONE)
+            self._events.end(attempt, outcome, duration, _AfterEnd.DONE)
             return
         claim, options = attempt.claim, attempt.job.options
         then, not_before = _AfterEnd.DONE, 0
@@ -7410,7 +7326,7 @@ class _Runner:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
             then, not_before = _AfterEnd.RETRY, now_ms + _ms(backoff)
         end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
-        tell(self._events.end, attempt, outcome, duration, then)
+        self._events.end(attempt, outcome, duration, then)
         written = False
         for tries in range(60):
             try:
@@ -7431,7 +7347,7 @@ class _Runner:
                 )
                 await asyncio.sleep(min(0.1 * 2**tries, 5.0))
         if written and end.status in _FAILED:
-            tell(self._ended_failed, attempt.job, end)
+            self._ended_failed(attempt.job, end)
         if then is not _AfterEnd.DONE:
             self._poke()
 
