@@ -1174,7 +1174,7 @@ def test_a_thread_handler_raising_stop_iteration_ends_its_attempt(db):
 @pytest.mark.parametrize("kind", ["async", "thread"])
 def test_a_handler_that_takes_no_context_fails_its_attempt(db, kind):
     """Calling the handler is part of its attempt: an ``async def`` that takes no ``ctx`` raised
-    ``TypeError`` out of the attempt's task before, and its run stayed ``running``."""
+    ``TypeError`` out of the attempt's task before its handler ran, and its run stayed ``running``."""
 
     async def main():
         s = make(db)
@@ -1217,8 +1217,9 @@ def test_a_handler_marked_async_that_raises_stop_iteration_when_called_fails_its
 
 def test_a_handler_whose_own_cancelled_error_ends_it_has_its_end_written(db):
     """A ``CancelledError`` that no stop, cancel or grace asked for (an awaited task that someone
-    else cancelled) ends the attempt as failed; it is not taken for the attempt's task being
-    cancelled (found by a review: the run stayed ``running``)."""
+    else cancelled) ends the attempt as failed, and says so (it said "did not return within the 10s
+    grace period after: None"). One task an attempt, tried and taken back, left such a run
+    ``running``: a review's test, as the four that follow."""
 
     async def main():
         s = make(db)
@@ -1263,7 +1264,7 @@ def test_a_handler_that_cancels_its_own_task_on_abort_ends_as_its_abort_says(db)
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is new in 3.11")
 def test_a_handler_that_used_a_task_group_is_handed_over_at_a_stop(db):
     """On Python 3.11 and 3.12 a task group whose child failed leaves its task's count of
-    cancellations raised; the grace's cancel after a stop is still the grace's own."""
+    cancellations raised; the handler is still cancelled after its grace at a stop, and handed over."""
 
     async def main():
         s = make(db)
@@ -1292,7 +1293,8 @@ _SET_BY_HANDLER = contextvars.ContextVar("set_by_handler", default="unset")
 
 
 def test_what_an_async_handler_sets_in_its_context_stays_its_own(db):
-    """The listeners of its end and ``on_failure`` run in the context from before the handler."""
+    """The handler runs in a context of its own: the listeners of its end and ``on_failure`` do not
+    see what it set."""
     seen = []
 
     async def main():
@@ -1316,8 +1318,8 @@ def test_what_an_async_handler_sets_in_its_context_stays_its_own(db):
 
 
 def test_an_async_on_failure_is_not_taken_for_the_attempt_it_is_told_of(db):
-    """What follows an ``async`` handler in its attempt's task (``on_failure``, a task made there)
-    does not run as that attempt: the checkpoint of the failed run is written, not refused."""
+    """``on_failure`` does not run as the attempt it is told of: the checkpoint of the failed run is
+    written, not refused as a write of an attempt that has ended."""
     written = []
 
     async def main():

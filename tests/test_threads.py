@@ -178,8 +178,9 @@ def test_a_short_lease_started_beside_a_long_one_is_renewed_in_time(db):
 
 def test_short_attempts_one_after_another_do_not_wake_the_heartbeat_thread_each(db, monkeypatch):
     """An attempt that ends before the heartbeat thread looks leaves its round planned: the next
-    one, started before that round, is renewed by it without waking the thread (each woke it, two
-    wake-ups an occurrence, once an async handler's attempt took one step of the loop)."""
+    one, started before that round, is renewed by it without waking the thread (each such attempt
+    woke it; in one task an attempt, tried and taken back, every attempt did: two wake-ups an
+    occurrence)."""
     looks = []
     round_ = al._Heartbeats._round
 
