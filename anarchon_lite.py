@@ -5804,8 +5804,8 @@ class _Heartbeats(threading.Thread):
             wait = self._due - self._clock.monotonic()
             if not self._attempts:
                 # (The round stays planned until its time: an attempt added before then, as short ones
-                # come one after another, needs no wake-up of this thread. Each woke it twice, since
-                # each ended before the thread looked: 2 wake-ups an occurrence, a fifth of its CPU.)
+                # come one after another, needs no wake-up of this thread. One that had ended before
+                # the thread looked set no round, and the next woke the thread again.)
                 if wait > 0:
                     return wait, self._due, []
                 self._due = None
