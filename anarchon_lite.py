@@ -6824,6 +6824,7 @@ def _run_info(row: _RunRow, now: float) -> RunInfo:
 
 _LAST_WORDS = 1.0  # seconds a hurried handler has left before it is cancelled, then closed
 _HURRIED = 2 * _LAST_WORDS + 5.0  # seconds hurried attempts have to end and write their ends
+_END_TRIES = 60  # writes of an attempt's end, a pause between each (doubling up to 5 s), before it is left
 
 
 def _safe_to_raise(exc: BaseException) -> BaseException:
@@ -7100,6 +7101,27 @@ class _Events:
         self.tell(level, kind, claim.job, claim.slot, claim.attempt, what, **fields)
 
 
+class _Call:
+    """One attempt's call of its handler, driven by callbacks on the loop, not by a task of its own
+    (a task per attempt waiting on its handler's was a third of the loop's work in a burst): where
+    its grace stands after an abort, and its end until written."""
+
+    __slots__ = ("attempt", "cancel_timeout", "driven", "end", "grace", "phase", "timer", "tries", "unhook", "work")
+
+    def __init__(self, attempt: _Attempt, work: asyncio.Future[Any], driven: _AbandonableCoroutine | None):
+        self.attempt = attempt
+        self.grace = attempt.job.options.grace  #: after an abort (after ``Shutdown``: the stop's grace, if shorter)
+        #: the handler's task, or the future its thread sets (None once ended: its end is all that is kept)
+        self.work: asyncio.Future[Any] | None = work
+        self.driven = driven  #: an ``async`` handler's coroutine, as its task steps it (None once ended)
+        self.phase = 0  #: 0 running; 1, 2, 3 in a grace (``_Runner._plan``); -1 ended; -2 given up
+        self.timer: asyncio.TimerHandle | None = None  #: a grace's end, or the next try of the end's write
+        self.unhook: Callable[[], None] = _nothing  #: removes the token's abort callback
+        self.cancel_timeout: Callable[[], None] = _nothing
+        self.end: _End | None = None  #: once ended, what its record says
+        self.tries = 0  #: failed writes of its end
+
+
 class _Runner:
     """The attempts running in this process: each handler in its task or thread, its timeout, its
     grace after an abort, and the write of its end (a retry, a hand-over or done); at a stop,
@@ -7124,12 +7146,12 @@ class _Runner:
         self.running: dict[tuple[str, int], _Attempt] = {}  #: this process's attempts, by (job, slot)
         #: (job, slot, attempt) of this process's attempts that have ended, while the runs read may still show them
         self.ended: set[tuple[str, int, int]] = set()
-        self.tasks: set[asyncio.Task[None]] = set()  #: one per running attempt
-        self._discard = self.tasks.discard  # (one bound method for every task's done callback)
+        self.calls: set[_Call] = set()  #: the attempts started here and not yet settled (their ends written)
+        self._settled_all: asyncio.Future[None] | None = None  #: resolved once ``calls`` is empty (a drain waits)
         self.hooks: set[asyncio.Future[Any]] = set()  #: ``on_failure`` calls still running
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
-        self._ends: list[tuple[_End, asyncio.Future[bool]]] = []  #: attempts' ends waiting to be written
+        self._ends: list[tuple[_End, _Call]] = []  #: attempts' ends waiting to be written
         #: seconds the end of a run of this job (its run over) may wait for the next claim's transaction
         self.end_wait: Callable[[str], float] = lambda job: 0.0
         self._flush: asyncio.Handle | None = None  #: the write of the ends waiting, planned
@@ -7169,37 +7191,66 @@ class _Runner:
         return True
 
     def start(self, job: _Job, claim: _Claim) -> None:
-        """Run the attempt that ``claim`` won, in a task of its own."""
+        """Run the attempt that ``claim`` won: its handler in a task or thread of its own, the rest
+        (its grace after an abort, its end) in callbacks on the loop (``_Call``)."""
+        assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
         attempt = _Attempt(
             job, claim, self._instance, CancelToken(), job.options.lease, max(job.options.lease / 3, 0.05)
         )
         self.running[(claim.job, claim.slot)] = attempt
-        task = asyncio.get_running_loop().create_task(self._run(attempt))
-        self.tasks.add(task)
-        task.add_done_callback(self._discard)
+        self._heartbeats.add(attempt)
+        self._watchdog.acquire()
+        attempt.started = self._clock.monotonic()
+        self._events.tell(logging.INFO, "started", claim.job, claim.slot, claim.attempt, "started", status="running")
+        work, driven = self._call_handler(attempt)
+        call = _Call(attempt, work, driven)
+        if job.options.timeout is not None:
+            call.cancel_timeout = self._time_out(attempt, job.options.timeout)
+        self.calls.add(call)
+        work.add_done_callback(functools.partial(self._returned, call))
+        loop = asyncio.get_running_loop()  # (from any thread: the token's callback hands the abort to the loop)
+        call.unhook = attempt.token.on_abort(functools.partial(loop.call_soon_threadsafe, self._aborted, call))
         self.started()
 
     async def drain(self) -> None:
         """After a stop: wait up to the stop grace for the attempts, which hand their runs over;
-        then hurry the rest (cancelled, abandoned) and let them write their ends. Takes
+        then hurry the rest (cancelled, abandoned) and let them write their ends; then give up on
+        those whose ends cannot be written (the next owner takes their runs over). Takes
         ``longest_drain()`` at most."""
         assert self.hurry is not None
         self.write_ends()  # (none waits for a claim any more)
-        if self.tasks:
-            every = asyncio.ensure_future(asyncio.wait(set(self.tasks)))
-            hurry = asyncio.ensure_future(self.hurry.wait())
-            await asyncio.wait({every, hurry}, timeout=self.grace + 0.1, return_when=asyncio.FIRST_COMPLETED)
-            every.cancel()
-            hurry.cancel()
-        self.hurry.set()
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=_HURRIED)
-        for task in list(self.tasks):  # a store that does not answer: the next owner takes the runs over
-            task.cancel()
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=1.0)
+        await self._all_settled(self.grace + 0.1, self.hurry)
+        self.hurry_now()
+        await self._all_settled(_HURRIED)
+        for call in list(self.calls):  # a store that does not answer: the next owner takes the runs over
+            self._give_up(call)
         if self.hooks:  # the failures just told (a mail being sent)
             await asyncio.wait(set(self.hooks), timeout=_HURRIED)
+
+    async def _all_settled(self, timeout: float, hurry: asyncio.Event | None = None) -> None:
+        """Wait up to ``timeout`` seconds for every attempt to be settled (or for ``hurry``)."""
+        if not self.calls:
+            return
+        self._settled_all = settled = asyncio.get_running_loop().create_future()
+        waiters: set[asyncio.Future[Any]] = {settled}
+        if hurry is not None:
+            waiters.add(asyncio.ensure_future(hurry.wait()))
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._settled_all = None
+            for waiter in waiters:
+                waiter.cancel()
+
+    def hurry_now(self) -> None:
+        """Cut the stop's grace short: every attempt still within a grace has ``_LAST_WORDS`` left
+        of it at most."""
+        assert self.hurry is not None
+        self.hurry.set()
+        now = asyncio.get_running_loop().time()
+        for call in self.calls:
+            if call.phase in (1, 2) and call.timer is not None and call.timer.when() > now + _LAST_WORDS:
+                self._plan(call, call.phase, _LAST_WORDS)
 
     def join_threads(self, timeout: float) -> None:
         """Wait (up to ``timeout`` seconds each) for the heartbeat and timer threads of the last
@@ -7210,29 +7261,11 @@ class _Runner:
 
     def longest_drain(self) -> float:
         """The seconds ``drain()`` takes at most."""
-        return self.grace + 0.1 + _HURRIED + 1.0 + _HURRIED
-
-    async def _run(self, attempt: _Attempt) -> None:
-        assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
-        job, claim = attempt.job, attempt.claim
-        self._heartbeats.add(attempt)
-        self._watchdog.acquire()
-        attempt.started = self._clock.monotonic()
-        self._events.tell(logging.INFO, "started", claim.job, claim.slot, claim.attempt, "started", status="running")
-        cancel_timeout = _nothing if job.options.timeout is None else self._time_out(attempt, job.options.timeout)
-        try:
-            outcome = await self._call_handler(attempt)
-        finally:
-            cancel_timeout()
-            attempt.done = True
-            self._watchdog.release()
-            self.running.pop((claim.job, claim.slot), None)
-            self.ended.add((claim.job, claim.slot, claim.attempt))
-        await self._settle(attempt, outcome)
+        return self.grace + 0.1 + _HURRIED
 
     def _time_out(self, attempt: _Attempt, limit: float) -> Callable[[], None]:
         """Abort ``attempt`` with ``RunTimeout`` once ``limit`` seconds have passed; returns what
-        cancels that. (Not in ``_run``: what its lambda would hold stays alive with every attempt.)"""
+        cancels that. (Not in ``start``: what its lambda would hold stays alive with every attempt.)"""
         assert self._timers is not None
         reason = f"{attempt.job.name}: timed out after {format_duration(limit)}"
         return self._timers.call_at(self._clock.monotonic() + limit, lambda: attempt.token.abort(RunTimeout(reason)))
@@ -7252,70 +7285,94 @@ class _Runner:
             _store=self._link.call,
         )
 
-    async def _call_handler(self, attempt: _Attempt) -> _Outcome:
-        """Run the handler; after an abort, give it its grace period, then cancel (async) or
-        abandon (thread) it. Returns what the attempt's record should say."""
+    def _call_handler(self, attempt: _Attempt) -> tuple[asyncio.Future[Any], _AbandonableCoroutine | None]:
+        """Start the handler, in its task (``async``) or thread: the future of its end, and the
+        coroutine its task steps (``async``)."""
         ctx = self._context(attempt)
-        token = attempt.token
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
         context.run(_current_attempt.set, attempt)
         work: asyncio.Future[Any]
-        driven = None
-        if attempt.job.is_async:
-            try:  # (calling it is part of the attempt: an ``async def`` that takes no ``ctx`` fails it)
-                coroutine = context.run(attempt.job.handler, ctx)
-            except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome``, made safe as what it raises
-                work = loop.create_future()
-                work.set_exception(_safe_to_raise(exc))
-            else:
-                driven = _AbandonableCoroutine(coroutine if inspect.iscoroutine(coroutine) else _await(coroutine))
-                work = context.run(loop.create_task, _await(driven))
-        else:
+        if not attempt.job.is_async:
             work = loop.create_future()
             _start_thread(attempt.job.handler, ctx, context, work, loop)
-        # Until the handler returns or its token aborts (from any thread): one future, no task.
-        either: asyncio.Future[None] = loop.create_future()
-        work.add_done_callback(lambda _work: _resolve(either))
-        unhook = token.on_abort(lambda _reason: loop.call_soon_threadsafe(_resolve, either))
-        grace = attempt.job.options.grace
-        try:
-            await either
-            if not work.done() and isinstance(token.reason, Shutdown):
-                grace = min(grace, self.grace)
-            await self._within(work, grace)  # the grace to return by itself
-            if not work.done() and driven is not None:
-                work.cancel()  # then CancelledError, and another grace
-                await self._within(work, grace)
-            if not work.done() and driven is not None:
-                driven.abandon()  # it swallowed the cancel: close it at its next await
-                work.cancel()
-                await asyncio.wait({work}, timeout=_LAST_WORDS)
-        finally:
-            unhook()
-        return _outcome(work, token, grace)
+            return work, None
+        try:  # (calling it is part of the attempt: an ``async def`` that takes no ``ctx`` fails it)
+            coroutine = context.run(attempt.job.handler, ctx)
+        except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome``, made safe as what it raises
+            work = loop.create_future()
+            work.set_exception(_safe_to_raise(exc))
+            return work, None
+        driven = _AbandonableCoroutine(coroutine if inspect.iscoroutine(coroutine) else _await(coroutine))
+        return context.run(loop.create_task, _await(driven)), driven
 
-    async def _within(self, work: asyncio.Future[Any], seconds: float) -> None:
-        """Wait up to ``seconds`` for ``work``; once the stop is hurried (a second SIGTERM or
-        SIGINT, or the stop's grace ran out), up to ``_LAST_WORDS`` more at most."""
-        hurry = self.hurry
-        if work.done() or hurry is None:
-            if not work.done():
-                await asyncio.wait({work}, timeout=seconds)
+    def _aborted(self, call: _Call, *_reason: object) -> None:
+        """The attempt's token aborted: the handler has its grace to return by itself."""
+        if call.phase or call.work is None or call.work.done():
             return
-        waiter = asyncio.ensure_future(hurry.wait())
-        try:
-            await asyncio.wait({work, waiter}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        if not work.done() and hurry.is_set():
-            await asyncio.wait({work}, timeout=_LAST_WORDS)
+        if isinstance(call.attempt.token.reason, Shutdown):
+            call.grace = min(call.grace, self.grace)
+        self._plan(call, 1, call.grace)
 
-    async def _settle(self, attempt: _Attempt, outcome: _Outcome) -> None:
+    def _plan(self, call: _Call, phase: int, seconds: float) -> None:
+        """Give ``call`` ``seconds`` (once the stop is hurried, ``_LAST_WORDS`` at most) of grace
+        ``phase``: 1 to return by itself, 2 once cancelled, 3 once abandoned."""
+        if self.hurry is not None and self.hurry.is_set() and phase < 3:
+            seconds = min(seconds, _LAST_WORDS)
+        if call.timer is not None:
+            call.timer.cancel()
+        call.phase = phase
+        call.timer = asyncio.get_running_loop().call_later(seconds, self._graced, call)
+
+    def _graced(self, call: _Call) -> None:
+        """A grace ran out with the handler still running: cancel it (``async``), then close it at
+        its next ``await`` whatever it does (it swallowed the cancel); a thread is abandoned."""
+        call.timer = None
+        if call.phase < 0 or call.work is None or call.work.done():
+            return
+        if call.driven is not None and call.phase == 1:
+            call.work.cancel()  # then CancelledError, and another grace
+            self._plan(call, 2, call.grace)
+        elif call.driven is not None and call.phase == 2:
+            call.driven.abandon()
+            call.work.cancel()
+            self._plan(call, 3, _LAST_WORDS)
+        else:
+            self._end(call)
+
+    def _returned(self, call: _Call, _work: asyncio.Future[Any]) -> None:
+        if call.phase >= 0:
+            self._end(call)
+
+    def _end(self, call: _Call) -> None:
+        """The attempt is over (its handler returned, or was abandoned): judge it, write its end."""
+        if call.timer is not None:
+            call.timer.cancel()
+            call.timer = None
+        work, call.work, call.driven, call.phase = call.work, None, None, -1  # (kept no longer than needed)
+        assert work is not None
+        self._let_go(call)
+        self._settle(call, _outcome(work, call.attempt.token, call.grace))
+
+    def _let_go(self, call: _Call) -> None:
+        """The attempt no longer runs here (its token, timeout, heartbeats and watchdog let go of it)."""
+        attempt, claim = call.attempt, call.attempt.claim
+        assert self._watchdog is not None
+        call.unhook()
+        call.cancel_timeout()
+        call.unhook = call.cancel_timeout = _nothing
+        attempt.done = True
+        self._watchdog.release()
+        self.running.pop((claim.job, claim.slot), None)
+        self.ended.add((claim.job, claim.slot, claim.attempt))
+
+    def _settle(self, call: _Call, outcome: _Outcome) -> None:
         """Write the attempt's end: done, a retry after backoff, or a hand-over (fenced); log it."""
+        attempt = call.attempt
         duration = self._clock.monotonic() - attempt.started
         if outcome.status is None:
             self._events.end(attempt, outcome, duration, _AfterEnd.DONE)
+            self._settled(call)
             return
         claim, options = attempt.claim, attempt.job.options
         then, not_before = _AfterEnd.DONE, 0
@@ -7325,31 +7382,61 @@ class _Runner:
         elif outcome.retryable and claim.failures < options.retries:
             backoff = min(options.retry_delay * 2 ** min(claim.failures, 64), _MAX_DURATION)
             then, not_before = _AfterEnd.RETRY, now_ms + _ms(backoff)
-        end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
+        call.end = _End(claim, outcome.status, outcome.error, now_ms, then, not_before, outcome.output)
         self._events.end(attempt, outcome, duration, then)
-        written = False
-        for tries in range(60):
-            try:
-                written = await self._finish(end, attempt)  # (a future: no coroutine to keep alive)
-                break
-            except Exception as exc:  # noqa: BLE001 - a StoreError passes; anything else is this end's own
-                if not isinstance(exc, StoreError):  # the end as bare as can be: its status alone
-                    _log.exception(
-                        "%s slot %s: the end of attempt %s cannot be written", claim.job, claim.slot, claim.attempt
-                    )
-                    end = dataclasses.replace(end, error=f"(its text could not be stored: {_said(exc)})", output=None)
+        self._finish(call)
+
+    def _end_written(self, call: _Call, written: bool | None, exc: BaseException | None) -> None:
+        """The store's answer to the write of ``call``'s end: on a failure, try again after a
+        pause (60 times at most); then tell ``on_failure``, and the loop of a run left to claim."""
+        end = call.end
+        assert end is not None
+        if call.phase == -2:  # (given up by the drain)
+            return
+        if isinstance(exc, Exception):  # a StoreError passes; anything else is this end's own
+            claim = end.claim
+            if not isinstance(exc, StoreError):  # the end as bare as can be: its status alone
                 _log.error(
-                    "%s slot %s: cannot record the end of attempt %s, retrying: %s",
+                    "%s slot %s: the end of attempt %s cannot be written",
                     claim.job,
                     claim.slot,
                     claim.attempt,
-                    exc,
+                    exc_info=(type(exc), exc, exc.__traceback__),
                 )
-                await asyncio.sleep(min(0.1 * 2**tries, 5.0))
+                call.end = dataclasses.replace(end, error=f"(its text could not be stored: {_said(exc)})", output=None)
+            _log.error(
+                "%s slot %s: cannot record the end of attempt %s, retrying: %s",
+                claim.job,
+                claim.slot,
+                claim.attempt,
+                exc,
+            )
+            call.tries += 1
+            if call.tries < _END_TRIES:
+                pause = min(0.1 * 2 ** (call.tries - 1), 5.0)
+                call.timer = asyncio.get_running_loop().call_later(pause, self._finish, call)
+                return
         if written and end.status in _FAILED:
-            self._ended_failed(attempt.job, end)
-        if then is not _AfterEnd.DONE:
+            self._ended_failed(call.attempt.job, end)
+        if end.then is not _AfterEnd.DONE:
             self._poke()
+        self._settled(call)
+
+    def _settled(self, call: _Call) -> None:
+        self.calls.discard(call)
+        if not self.calls and self._settled_all is not None:
+            _resolve(self._settled_all)
+
+    def _give_up(self, call: _Call) -> None:
+        """Leave ``call`` as it is (its end unwritten: the store does not answer, or its handler
+        never let go), so that the stop can end."""
+        if call.timer is not None:
+            call.timer.cancel()
+            call.timer = None
+        if call.phase != -1:
+            self._let_go(call)
+        call.phase = -2
+        self.calls.discard(call)
 
     def _ended_failed(self, job: _Job, end: _End) -> None:
         """This process wrote the end of a failed or timed-out attempt (fenced: no other process
@@ -7396,15 +7483,18 @@ class _Runner:
                 exc_info=(type(exc), exc, exc.__traceback__),
             )
 
-    def _finish(self, end: _End, attempt: _Attempt) -> asyncio.Future[bool]:
-        """Write an attempt's end. The ends of attempts that finish together are written in one
-        transaction: at fifty jobs every 100 ms, one commit per end would keep the disk busy. An
-        end with its run over may wait a little for this process's next claim (``end_wait``),
-        which writes it in its own transaction (``take_ends``), if half its lease is left after
-        the wait (it is no longer renewed: past its lease, another process would run it again)."""
+    def _finish(self, call: _Call) -> None:
+        """Write an attempt's end (``call.end``; ``_end_written`` gets the answer). The ends of
+        attempts that finish together are written in one transaction: at fifty jobs every 100 ms,
+        one commit per end would keep the disk busy. An end with its run over may wait a little for
+        this process's next claim (``end_wait``), which writes it in its own transaction
+        (``take_ends``), if half its lease is left after the wait (it is no longer renewed: past
+        its lease, another process would run it again)."""
+        end, attempt = call.end, call.attempt
+        assert end is not None
+        call.timer = None
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[bool] = loop.create_future()
-        self._ends.append((end, future))
+        self._ends.append((end, call))
         wait = self.end_wait(end.claim.job) if end.then is _AfterEnd.DONE else 0.0
         if wait and attempt.valid_until - time.monotonic() - wait < attempt.lease / 2:
             wait = 0.0
@@ -7415,9 +7505,8 @@ class _Runner:
             self._flush_at = at
             # (at once: after the attempts ending in this turn of the loop)
             self._flush = loop.call_at(at, self.write_ends) if wait else loop.call_soon(self.write_ends)
-        return future
 
-    def take_ends(self) -> list[tuple[_End, asyncio.Future[bool]]]:
+    def take_ends(self) -> list[tuple[_End, _Call]]:
         """The ends waiting, no longer planned to be written: the caller writes them and tells
         ``written`` of the store's answer."""
         if self._flush is not None:
@@ -7433,28 +7522,26 @@ class _Runner:
         if batch:
             self.write_batch(batch)
 
-    def write_batch(self, batch: list[tuple[_End, asyncio.Future[bool]]]) -> None:
+    def write_batch(self, batch: list[tuple[_End, _Call]]) -> None:
         ends = [end for end, _ in batch]
         try:
             self._link.submit(lambda s: s.finish_many(self._instance, ends), functools.partial(self.written, batch))
         except Exception as exc:  # noqa: BLE001 - (the store could not be opened) every waiting attempt gets it
             self.written(batch, None, exc)
 
-    def written(
-        self, batch: list[tuple[_End, asyncio.Future[bool]]], results: list[bool] | None, exc: BaseException | None
-    ) -> None:
+    def written(self, batch: list[tuple[_End, _Call]], results: list[bool] | None, exc: BaseException | None) -> None:
         """The store's answer to a batch of ends, to the attempts waiting for it."""
         if exc is not None:  # every waiting attempt gets it (a StoreError: each retries)
             if isinstance(exc, Exception) and not isinstance(exc, StoreError) and len(batch) > 1:
                 for one in batch:  # not the store: one end's own fault, never its neighbours'
                     self.write_batch([one])
                 return
-            for _, future in batch:
-                _set_exception(future, exc)
+            for _, call in batch:
+                self._end_written(call, None, exc)
             return
         assert results is not None
-        for (_, future), written in zip(batch, results):
-            _set_result(future, written)
+        for (_, call), written in zip(batch, results):
+            self._end_written(call, written, None)
         self.ends_written()
         if self._link.untidy:
             self.untidy()
@@ -8600,9 +8687,7 @@ class _Loop:
             self._agenda.update(written)
         return moved
 
-    async def _end_and_claim(
-        self, ending: list[tuple[_End, asyncio.Future[bool]]], due: list[_Due], now_ms: int
-    ) -> list[_Claimed]:
+    async def _end_and_claim(self, ending: list[tuple[_End, _Call]], due: list[_Due], now_ms: int) -> list[_Claimed]:
         """The claims of ``due``, in the transaction that writes the ends ``ending`` first; the
         attempts waiting for those are told of the answer even if this task is cancelled. A fault
         not the store's (a bug, an end's text) fails the transaction, not the ends nor the claims:
@@ -9245,7 +9330,7 @@ class Scheduler(_Declaring):
         if self._loop.stopping and hurry is not None:
             if not hurry.is_set():
                 _log.warning("received %s again: cutting the grace short", signal.Signals(signum).name)
-                hurry.set()
+                self._loop.runner.hurry_now()
             return
         _log.info("received %s: stopping (again to cut the grace short)", signal.Signals(signum).name)
         task = asyncio.get_running_loop().create_task(self.stop())
