@@ -2686,7 +2686,7 @@ class _SQLStore(_Store):
 
     def claim_due_many(self, owner: str, now_ms: int, due: Sequence[_Due]) -> list[_Claimed]:
         def work(conn: Any) -> list[_Claimed]:
-            return [self._claim_due(conn, owner, now_ms, item) for item in due]
+            return self._claim_all_due(conn, owner, now_ms, due)
 
         # (Only claims won are told: of four processes claiming the same due jobs, three find them
         # moved, and telling that would wake the others for nothing, 3,700 times in 45 s.)
@@ -2701,17 +2701,26 @@ class _SQLStore(_Store):
 
         def work(conn: Any) -> tuple[list[bool], list[_Claimed]]:
             written = self._finish_all(conn, owner, ends, looks)
-            return written, [self._claim_due(conn, owner, now_ms, item) for item in due]
+            return written, self._claim_all_due(conn, owner, now_ms, due)
 
         written, claims = self._write(work, lambda both: _hands_over(ends, both[0]) or _won(both[1]))
         self._noted(ends, looks, written)
         return written, claims
 
+    def _claim_all_due(self, conn: Any, owner: str, now_ms: int, due: Sequence[_Due]) -> list[_Claimed]:
+        """``_claim_due`` of each of ``due``, in the transaction on ``conn``."""
+        return [self._claim_due(conn, owner, now_ms, item) for item in due]
+
     def _claim_due(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
-        job, slot = due.job, due.slot
-        advance = {"slot": slot, "next_slot": due.next_slot, "job": job, "expected_last": due.expected_last}
+        advance = {"slot": due.slot, "next_slot": due.next_slot, "job": due.job, "expected_last": due.expected_last}
         if conn.execute(_SQL_ADVANCE, advance).rowcount != 1:
             return _NotClaimed.MOVED
+        return self._claim_advanced(conn, owner, now_ms, due)
+
+    def _claim_advanced(self, conn: Any, owner: str, now_ms: int, due: _Due) -> _Claimed:
+        """The rest of ``_claim_due`` once the job's watermark moved: the occurrences missed, and
+        the run claimed (or the occurrence skipped)."""
+        job, slot = due.job, due.slot
         records = [_record(job, s, 0, "missed", finished_at=now_ms, error=e) for s, e in due.missed]
         conn.executemany(_SQL_RECORD, records)
         if due.missed:
@@ -3961,7 +3970,25 @@ class _SQLiteFile(_SQLStore):
                 raise StoreError(self.path, _explain(exc)) from None
             _pause(self._lock_poll)
 
-    # -- running processes ------------------------------------------------------------------------
+
+# A batch of claims at once (SQLite 3.33 and newer: ``UPDATE ... FROM``), each statement led by its
+# verb (Python's sqlite3 counts the rows changed only then): each job's watermark moved where it is as
+# expected, with a change number of its own (the first ``?``, above every number before, plus its
+# place in the batch); then which of them moved, when not all; whether any of them has a run; their runs.
+_SET_CLAIMS = sqlite3.sqlite_version_info >= (3, 33)
+_SQL_MAX_CHANGE = "SELECT COALESCE(MAX(changed), 0) FROM jobs"
+_SQL_BATCH = "(SELECT column1 AS i, column2 AS job, column3 AS slot, column4 AS next_slot, column5 AS expected_last FROM (VALUES {rows}))"
+_SQL_ADVANCE_ALL = (
+    "UPDATE jobs SET last_slot = v.slot, next_slot = v.next_slot, changed = ? + v.i "
+    "FROM {batch} AS v WHERE jobs.name = v.job AND jobs.last_slot = v.expected_last AND jobs.paused = 0"
+)
+_SQL_ADVANCED = "SELECT group_concat(v.i) FROM {batch} AS v JOIN jobs ON jobs.name = v.job AND jobs.changed = ? + v.i"
+_SQL_ANY_RUN = "SELECT EXISTS (SELECT 1 FROM runs WHERE job IN ({rows}))"
+_SQL_INSERT_ALL_RUNNING = (
+    "INSERT INTO runs (job, slot, attempt, state, not_before, owner, owner_pid, owner_start, owner_ns, boot_id, "
+    "lease_until, lease, started_at) SELECT v.column1, v.column2, 1, 'running', ?, ?, ?, ?, ?, ?, "
+    "lease_clock() + v.column3, v.column3, ? FROM (VALUES {rows}) AS v WHERE true"
+)
 
 
 class _SQLiteStore(_SQLiteFile):
@@ -3973,6 +4000,47 @@ class _SQLiteStore(_SQLiteFile):
     lease board while it can be; owners are judged by pid, start time, pid namespace and boot id
     (``_owner_gone``).
     """
+
+    # -- claims -----------------------------------------------------------------------------------
+
+    def _claim_all_due(self, conn: Any, owner: str, now_ms: int, due: Sequence[_Due]) -> list[_Claimed]:
+        """As the generic one, when every job's occurrence is to run and none was missed (a burst),
+        in four statements for the batch instead of three a job: the watermarks moved in one
+        ``UPDATE``, the runs inserted in one ``INSERT`` if none of these jobs has a run (else a
+        job at a time, as the generic one: a run may be in the way). A burst's loop waits for each
+        batch: claiming 100 jobs took its thread 2.7 ms a job at a time, 1.4 ms at once."""
+        if (
+            len(due) < 2
+            or not _SET_CLAIMS
+            or any(item.missed or not item.run for item in due)
+            or len({item.job for item in due}) < len(due)
+        ):
+            return super()._claim_all_due(conn, owner, now_ms, due)
+        base = int(conn.execute(_SQL_MAX_CHANGE).fetchone()[0])
+        batch = _SQL_BATCH.format(rows=", ".join(["(?, ?, ?, ?, ?)"] * len(due)))
+        params = [base, *(x for i, d in enumerate(due, 1) for x in (i, d.job, d.slot, d.next_slot, d.expected_last))]
+        if conn.execute(_SQL_ADVANCE_ALL.format(batch=batch), params).rowcount == len(due):
+            moved = [False] * len(due)
+        else:  # (the jobs another process moved first keep their change number)
+            found = conn.execute(_SQL_ADVANCED.format(batch=batch), [*params[1:], base]).fetchone()[0] or ""
+            advanced = {int(i) for i in found.split(",") if i}
+            moved = [i not in advanced for i in range(1, len(due) + 1)]
+        mine = [d for d, m in zip(due, moved) if not m]
+        if not mine:
+            return [_NotClaimed.MOVED] * len(due)
+        if conn.execute(_SQL_ANY_RUN.format(rows=", ".join(["?"] * len(mine))), [d.job for d in mine]).fetchone()[0]:
+            claimed = iter([self._claim_advanced(conn, owner, now_ms, d) for d in mine])
+        else:
+            me = self._owner()
+            holder = [now_ms, owner, me.pid, me.start, me.namespace, me.boot_id, now_ms]
+            rows = ", ".join(["(?, ?, ?)"] * len(mine))
+            conn.execute(
+                _SQL_INSERT_ALL_RUNNING.format(rows=rows), holder + [x for d in mine for x in (d.job, d.slot, d.lease)]
+            )
+            claimed = iter([_Claim(d.job, d.slot, 1, 0, now_ms) for d in mine])
+        return [_NotClaimed.MOVED if m else next(claimed) for m in moved]
+
+    # -- running processes ------------------------------------------------------------------------
 
     def join(self, instance: str, now_ms: int, declares: Sequence[str]) -> bool:
         me = dataclasses.replace(self._me, instance=instance)

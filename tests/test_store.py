@@ -900,3 +900,81 @@ def test_a_transient_io_error_while_opening_a_new_file_is_tried_again(db, monkey
     with pytest.raises(StoreError, match="disk I/O error") as info:
         sqlite_store(db)
     assert info.value.path == db
+
+
+JOBS = [f"j{i}" for i in range(8)]
+
+
+def batch_store(db):
+    s = al._SQLiteStore(db)
+    s.register([al._Declared(name, "every 1h", 0, 3_600_000, "every 1h", "test") for name in JOBS])
+    return s
+
+
+def batch_due(job, expected=0, slot=1000, overlap=1):
+    return al._Due(job, expected, slot, slot + 1000, [], True, overlap, 30)
+
+
+def claim_a_batch_in_turn(db, set_claims, monkeypatch):
+    """Claims of the eight jobs as one batch, after another process claimed j2, j5 was paused, j3
+    runs an earlier occurrence (skipped) and j4 too (overlap allowed: claimed); then the same batch
+    again (every job moved), and the next occurrences of four of them once their runs ended.
+    Returns what each claim answered and what the file holds."""
+    monkeypatch.setattr(al, "_SET_CLAIMS", set_claims)
+    s = batch_store(db)
+    claimed = s.claim_due_many(OTHER, 500, [batch_due("j2"), batch_due("j3", slot=500), batch_due("j4", slot=500)])
+    assert all(isinstance(c, al._Claim) for c in claimed)
+    assert s.set_paused("j5", True, 500)
+    due = [batch_due(job, 500 if job in ("j3", "j4") else 0, overlap=None if job == "j4" else 1) for job in JOBS]
+    answers = [s.claim_due_many(OWNER, 1000, due), s.claim_due_many(OWNER, 1000, due)]
+    again = ("j0", "j1", "j6", "j7")
+    ended = [al._End(c, "succeeded", None, 1500) for c in answers[0] if isinstance(c, al._Claim) and c.job in again]
+    assert s.finish_many(OWNER, ended) == [True] * 4
+    answers.append(s.claim_due_many(OWNER, 2000, [batch_due(job, 1000, slot=2000) for job in again]))
+    conn = sqlite3.connect(db)
+    try:
+        files = [
+            conn.execute("SELECT name, last_slot, next_slot, paused FROM jobs ORDER BY name").fetchall(),
+            conn.execute(
+                "SELECT job, slot, attempt, state, owner, started_at, lease FROM runs ORDER BY job, slot"
+            ).fetchall(),
+            conn.execute(
+                "SELECT job, slot, attempt, status, instance FROM history ORDER BY job, slot, attempt"
+            ).fetchall(),
+        ]
+        changed = [row[0] for row in conn.execute("SELECT changed FROM jobs")]
+    finally:
+        conn.close()
+    assert len(set(changed)) == len(changed), changed  # (a change number a job)
+    return [[(c if isinstance(c, al._NotClaimed) else (c.job, c.slot, c.attempt)) for c in a] for a in answers], files
+
+
+@pytest.mark.sqlite_only  # (PostgreSQL claims a job at a time: a statement of a batch is SQLite's)
+def test_a_batch_claimed_at_once_answers_as_claims_made_one_job_at_a_time(tmp_path, monkeypatch):
+    """A batch of due jobs to run, none missed, is claimed in a few statements for the batch
+    (``_SQLiteStore._claim_all_due``); jobs another process moved, paused jobs, and batches whose
+    jobs have runs answer and leave the file as claims made one job at a time do."""
+    one_by_one = claim_a_batch_in_turn(str(tmp_path / "one.db"), False, monkeypatch)
+    at_once = claim_a_batch_in_turn(str(tmp_path / "all.db"), True, monkeypatch)
+    assert at_once == one_by_one
+    answers, _ = at_once
+    assert answers[0][2] is answers[0][5] is al._NotClaimed.MOVED  # (claimed by OTHER; paused)
+    assert answers[0][3] is al._NotClaimed.RECORDED  # (skipped: j3's earlier run is unfinished)
+    assert answers[0][4] == ("j4", 1000, 1)
+    assert set(answers[1]) == {al._NotClaimed.MOVED}
+    assert answers[2] == [(job, 2000, 1) for job in ("j0", "j1", "j6", "j7")]
+
+
+@pytest.mark.sqlite_only  # (statements counted by SQLite's trace callback)
+def test_a_batch_of_claims_is_a_few_statements_whatever_its_size(db):
+    """A hundred jobs due at once (a burst) are claimed in six statements with BEGIN and COMMIT, not
+    three a job: each is one call into SQLite, during which the event loop's thread can work."""
+    s = al._SQLiteStore(db)
+    names = [f"b{i}" for i in range(100)]
+    s.register([al._Declared(name, "every 1h", 0, 3_600_000, "every 1h", "test") for name in names])
+    said = []
+    s._connect().set_trace_callback(lambda sql: not sql.startswith("--") and said[-1:] != [sql] and said.append(sql))
+    claims = s.claim_due_many(OWNER, 1000, [batch_due(name) for name in names])
+    assert [(c.job, c.slot, c.attempt) for c in claims] == [(name, 1000, 1) for name in names]
+    assert len(said) <= 6, [sql[:60] for sql in said]
+    assert [r.job for r in s.runs()] == sorted(names)
