@@ -7329,7 +7329,7 @@ class _Runner:
 
     def longest_drain(self) -> float:
         """The seconds ``drain()`` takes at most."""
-        return self.grace + 0.1 + _HURRIED
+        return self.grace + 0.1 + _HURRIED + _HURRIED  # (the last: the ``on_failure`` calls still running)
 
     def _time_out(self, attempt: _Attempt, limit: float) -> Callable[[], None]:
         """Abort ``attempt`` with ``RunTimeout`` once ``limit`` seconds have passed; returns what
@@ -7363,7 +7363,10 @@ class _Runner:
         work: asyncio.Future[Any]
         if not attempt.job.is_async:
             work = loop.create_future()
-            _start_thread(attempt.job.handler, ctx, context, work, loop)
+            try:  # (a thread that cannot be started, on a small device in a burst: this attempt fails, alone)
+                _start_thread(attempt.job.handler, ctx, context, work, loop)
+            except BaseException as exc:  # noqa: BLE001 - judged by ``_outcome``, made safe as what it raises
+                work.set_exception(_safe_to_raise(exc))
             return work, None
         try:  # (calling it is part of the attempt: an ``async def`` that takes no ``ctx`` fails it)
             coroutine = context.run(attempt.job.handler, ctx)

@@ -1751,3 +1751,77 @@ def test_a_process_alone_looks_about_once_an_occurrence(db):
         assert counted_looks <= 1.6 * runs, f"{counted_looks} looks for {runs} runs"
 
     run(main(), timeout=60)
+
+
+def test_a_stop_takes_no_longer_than_longest_drain_with_an_on_failure_still_running(db):
+    """``longest_drain()`` bounds ``drain()`` (systemd is told it as ``EXTEND_TIMEOUT_USEC``), and
+    the drain waits up to ``_HURRIED`` for the ``on_failure`` calls still running after its
+    attempts settled: a stop whose last attempt settled after the stop's grace, with an
+    ``on_failure`` that hangs, must still end within ``longest_drain()``. (A review's test: with
+    an attempt driven by callbacks, ``longest_drain`` no longer counted the wait for the hooks.)"""
+    told, release = [], asyncio.Event()
+
+    async def main():
+        s = make(db)
+
+        async def on_failure(record):
+            told.append(record)
+            await release.wait()  # (a mail that cannot be sent)
+
+        @s.every("fails", "24h", offset=QUIET, on_failure=on_failure)
+        def fails(ctx):
+            raise ValueError("boom")
+
+        @s.every("deaf", "24h", offset=QUIET)
+        async def deaf(ctx):
+            while True:  # swallows its first cancel: abandoned after the second grace
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(60)
+
+        async with s:
+            await s.trigger("fails")
+            await wait_for(lambda: told, message="on_failure called")
+            await s.trigger("deaf")
+            await wait_for(lambda: s._loop.runner.running, message="deaf running")
+            began = time.monotonic()
+            await s.stop(grace=2)
+            took = time.monotonic() - began
+            longest = s._loop.runner.longest_drain()  # (for the grace of this stop)
+            release.set()
+        assert took <= longest, (took, longest)
+        assert [st for _, _, st in await statuses(s, "deaf")] == ["interrupted"]
+
+    run(main())
+
+
+def test_a_handler_whose_thread_cannot_start_does_not_hold_its_run_nor_stop_the_others(db, clock, monkeypatch):
+    """A plain-function handler whose thread cannot be started (``RuntimeError: can't start new
+    thread``: a burst on a small device) ends that attempt only: the other jobs claimed in the same
+    transaction start as usual, and the attempt is not kept alive by this process's heartbeats.
+    (A review's test: with an attempt driven by callbacks, ``_Runner.start`` raised into the claim,
+    after the attempt was added to the heartbeats and before the rest of the batch started.)"""
+    aligned(clock, HOUR)
+    refused, seen = [], []
+    start_thread = anarchon_lite._start_thread
+
+    def cannot_start_first(handler, ctx, *rest):
+        if not refused:
+            refused.append(ctx.job)
+            raise RuntimeError("can't start new thread")
+        return start_thread(handler, ctx, *rest)
+
+    monkeypatch.setattr(anarchon_lite, "_start_thread", cannot_start_first)
+
+    async def main():
+        s = make(db, clock)
+        for name in ("a", "b"):
+            s.every(name, "1h", lambda ctx: seen.append((ctx.job, ctx.attempt)))
+        async with s:
+            next_slot(clock, HOUR)  # both due at once: claimed in one transaction
+            await wait_for(lambda: refused, message="a thread refused")
+            [other] = {"a", "b"} - set(refused)
+            await wait_for(lambda: has(s, other, "succeeded"), message=f"{other} ran")
+            assert seen == [(other, 1)]  # (its first attempt: not taken over after its lease ran out)
+            await wait_for(lambda: not s._loop.runner.running, message="no attempt held")
+
+    run(main())

@@ -945,7 +945,7 @@ def claim_a_batch_in_turn(db, set_claims, monkeypatch):
         changed = [row[0] for row in conn.execute("SELECT changed FROM jobs")]
     finally:
         conn.close()
-    assert len(set(changed)) == len(changed), changed  # (a change number a job)
+    assert len(set(changed)) == len(changed), changed  # (every job changed since registered: a number each)
     return [[(c if isinstance(c, al._NotClaimed) else (c.job, c.slot, c.attempt)) for c in a] for a in answers], files
 
 
