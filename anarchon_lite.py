@@ -6634,6 +6634,25 @@ class _StoreLink:
 ###############################################################################
 
 
+class _AttemptToken(CancelToken):
+    """An attempt's ``ctx.signal``: its abort, from whichever thread, is handed to the runner by
+    ``told`` (a callback registered with ``on_abort`` took a lock, an entry and a remover an
+    attempt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: Callable[[], object] | None = None  #: called after the abort, until the attempt ends
+
+    def abort(self, reason: BaseException | None = None) -> bool:
+        if not super().abort(reason):
+            return False
+        told = self.told
+        if told is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop closed: the attempt was given up)
+                told()
+        return True
+
+
 @dataclasses.dataclass
 class _Attempt:
     """A running attempt in this process: what the heartbeat thread and the scheduler share."""
@@ -6641,7 +6660,7 @@ class _Attempt:
     job: _Job
     claim: _Claim
     owner: str
-    token: CancelToken
+    token: _AttemptToken
     lease: float
     renew_every: float
     progress: tuple[float | None, float | None] = (None, None)
@@ -7153,6 +7172,9 @@ class _Events:
 
     def end(self, attempt: _Attempt, outcome: _Outcome, duration: float, then: _AfterEnd) -> None:
         claim, status = attempt.claim, outcome.status or "lost"
+        level = _END_LEVELS.get(status, logging.WARNING)
+        if not self.listeners and not _log.isEnabledFor(level):
+            return  # (no one to tell: a burst of 10,000 short runs spent 5% of its loop's time saying it)
         what = f"{status} after {_elapsed(duration)}" if status != "lost" else "lost its run to another attempt"
         kind: EventKind = "handed_over" if then is _AfterEnd.HANDOVER else cast(EventKind, status)
         if then is _AfterEnd.RETRY:
@@ -7164,7 +7186,6 @@ class _Events:
         if outcome.output and status in ("failed", "timed_out"):
             tail = outcome.output.rstrip("\n").splitlines()[-_LOGGED_OUTPUT_LINES:]
             what += "".join(f"\n  | {line}" for line in tail)
-        level = _END_LEVELS.get(status, logging.WARNING)
         fields = {"status": status, "duration": round(duration, 3), "error": outcome.error}
         self.tell(level, kind, claim.job, claim.slot, claim.attempt, what, **fields)
 
@@ -7174,7 +7195,7 @@ class _Call:
     (a task per attempt waiting on its handler's was a third of the loop's work in a burst): where
     its grace stands after an abort, and its end until written."""
 
-    __slots__ = ("attempt", "cancel_timeout", "driven", "end", "grace", "phase", "timer", "tries", "unhook", "work")
+    __slots__ = ("attempt", "cancel_timeout", "driven", "end", "grace", "phase", "timer", "tries", "work")
 
     def __init__(self, attempt: _Attempt, work: asyncio.Future[Any], driven: _AbandonableCoroutine | None):
         self.attempt = attempt
@@ -7184,7 +7205,6 @@ class _Call:
         self.driven = driven  #: an ``async`` handler's coroutine, as its task steps it (None once ended)
         self.phase = 0  #: 0 running; 1, 2, 3 in a grace (``_Runner._plan``); -1 ended; -2 given up
         self.timer: asyncio.TimerHandle | None = None  #: a grace's end, or the next try of the end's write
-        self.unhook: Callable[[], None] = _nothing  #: removes the token's abort callback
         self.cancel_timeout: Callable[[], None] = _nothing
         self.end: _End | None = None  #: once ended, what its record says
         self.tries = 0  #: failed writes of its end
@@ -7262,9 +7282,8 @@ class _Runner:
         """Run the attempt that ``claim`` won: its handler in a task or thread of its own, the rest
         (its grace after an abort, its end) in callbacks on the loop (``_Call``)."""
         assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
-        attempt = _Attempt(
-            job, claim, self._instance, CancelToken(), job.options.lease, max(job.options.lease / 3, 0.05)
-        )
+        token = _AttemptToken()
+        attempt = _Attempt(job, claim, self._instance, token, job.options.lease, max(job.options.lease / 3, 0.05))
         self.running[(claim.job, claim.slot)] = attempt
         self._heartbeats.add(attempt)
         self._watchdog.acquire()
@@ -7276,8 +7295,10 @@ class _Runner:
             call.cancel_timeout = self._time_out(attempt, job.options.timeout)
         self.calls.add(call)
         work.add_done_callback(functools.partial(self._returned, call))
-        loop = asyncio.get_running_loop()  # (from any thread: the token's callback hands the abort to the loop)
-        call.unhook = attempt.token.on_abort(functools.partial(loop.call_soon_threadsafe, self._aborted, call))
+        loop = asyncio.get_running_loop()  # (from any thread: the token hands the abort to the loop)
+        token.told = functools.partial(loop.call_soon_threadsafe, self._aborted, call)
+        if token.aborted:  # (by the heartbeat thread since ``add``: before it could tell)
+            loop.call_soon(self._aborted, call)
         self.started()
 
     async def drain(self) -> None:
@@ -7429,9 +7450,9 @@ class _Runner:
         """The attempt no longer runs here (its token, timeout, heartbeats and watchdog let go of it)."""
         attempt, claim = call.attempt, call.attempt.claim
         assert self._watchdog is not None
-        call.unhook()
+        attempt.token.told = None
         call.cancel_timeout()
-        call.unhook = call.cancel_timeout = _nothing
+        call.cancel_timeout = _nothing
         attempt.done = True
         self._watchdog.release()
         self.running.pop((claim.job, claim.slot), None)
