@@ -10838,6 +10838,23 @@ def _run_left(pgid: int | None, marker: str, outside: bool = True) -> tuple[list
     return sorted(p for p, g in marked.items() if outside or g == pgid), ours
 
 
+_MID_EXEC_LOOKS = 5  # looks again, 20 ms apart, when no process of a live group carries the marker
+
+
+async def _look_again_mid_exec(pgid: int, marker: str, outside: bool) -> tuple[list[int], bool]:
+    """``_run_left`` again, up to ``_MID_EXEC_LOOKS`` times while group ``pgid`` has members: a
+    process in the middle of ``exec`` (a background ``sh`` becoming its command) shows no
+    environment, and a first look that missed it ended nothing."""
+    for _ in range(_MID_EXEC_LOOKS):
+        if not await asyncio.to_thread(_group_members, pgid):
+            break
+        await asyncio.sleep(0.02)
+        left, ours = await asyncio.to_thread(_run_left, pgid, marker, outside)
+        if left:
+            return left, ours
+    return [], False
+
+
 async def _end_run(pgid: int | None, marker: str, outside: bool = True, at_once: bool = False) -> bool:
     """End what a run's command started here (``_run_left``): SIGTERM to the group when proven the
     run's and to each process with the marker, SIGKILL to what is left after ``_GROUP_GRACE``
@@ -10845,6 +10862,8 @@ async def _end_run(pgid: int | None, marker: str, outside: bool = True, at_once:
     left: list[int] = []
     for signum in (signal.SIGKILL,) if at_once else (signal.SIGTERM, signal.SIGKILL):
         left, ours = await asyncio.to_thread(_run_left, pgid, marker, outside)
+        if not left and pgid is not None and signum is signal.SIGTERM:
+            left, ours = await _look_again_mid_exec(pgid, marker, outside)
         if not left:
             return True
         if pgid is not None and ours:

@@ -17,6 +17,7 @@ import pytest
 from conftest import run, wait_for
 from test_cli import ENV, Daemons, alive, anarchon, children, cli, history, owner_pid, wait_until
 
+import anarchon_lite as al
 from anarchon_lite import Scheduler
 
 
@@ -334,3 +335,29 @@ def test_a_process_whose_name_is_not_utf8_is_judged_alive_then_gone():
         proc.wait(timeout=30)
         proc.stdout.close()
     assert al._owner_gone(owner, me) == f"owner process {proc.pid} exited"
+
+
+# (no store: what ends a run's processes, given its group and marker)
+def test_a_first_look_that_misses_a_process_in_the_middle_of_exec_still_ends_the_group(monkeypatch):
+    """A process of the run's group in the middle of ``exec`` (a background ``sh`` becoming
+    ``sleep``) shows no environment, so no marker: the end of a run whose first look found nothing
+    marked, while its group still had members, ended nothing and said all was gone (a crontab test
+    once found the background child alive 20 s after its run ended). Now it looks again."""
+    marker = "m" * 16
+    env = {**os.environ, "ANARCHON_RUN": marker}
+    child = subprocess.Popen(["sleep", "1000"], start_new_session=True, env=env)
+    try:
+        run(wait_for(lambda: child.pid in al._marked(marker), message="the child's marker readable"))
+        looks, marked = [], al._marked
+
+        def mid_exec_at_first(wanted):
+            looks.append(wanted)
+            return {} if len(looks) == 1 else marked(wanted)
+
+        monkeypatch.setattr(al, "_marked", mid_exec_at_first)
+        assert run(al._end_run(child.pid, marker)) is True
+        assert child.wait(timeout=10) == -signal.SIGTERM and len(looks) > 1
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
