@@ -1759,9 +1759,10 @@ def test_a_stop_takes_no_longer_than_longest_drain_with_an_on_failure_still_runn
     attempts settled: a stop whose last attempt settled after the stop's grace, with an
     ``on_failure`` that hangs, must still end within ``longest_drain()``. (A review's test: with
     an attempt driven by callbacks, ``longest_drain`` no longer counted the wait for the hooks.)"""
-    told, release = [], asyncio.Event()
+    told = []
 
     async def main():
+        release = asyncio.Event()  # (made in the loop: Python 3.9 binds an event to its loop)
         s = make(db)
 
         async def on_failure(record):
