@@ -1823,6 +1823,9 @@ def test_a_handler_whose_thread_cannot_start_does_not_hold_its_run_nor_stop_the_
             [other] = {"a", "b"} - set(refused)
             await wait_for(lambda: has(s, other, "succeeded"), message=f"{other} ran")
             assert seen == [(other, 1)]  # (its first attempt: not taken over after its lease ran out)
+            await wait_for(lambda: has(s, refused[0], "failed"), message="the refused attempt failed")
             await wait_for(lambda: not s._loop.runner.running, message="no attempt held")
+            [record] = await s.history(refused[0])
+            assert "RuntimeError: can't start new thread" in record.error
 
     run(main())
