@@ -950,6 +950,7 @@ def claim_a_batch_in_turn(db, set_claims, monkeypatch):
 
 
 @pytest.mark.sqlite_only  # (PostgreSQL claims a job at a time: a statement of a batch is SQLite's)
+@pytest.mark.skipif(sqlite3.sqlite_version_info < (3, 33), reason="a batch at once needs UPDATE ... FROM (SQLite 3.33)")
 def test_a_batch_claimed_at_once_answers_as_claims_made_one_job_at_a_time(tmp_path, monkeypatch):
     """A batch of due jobs to run, none missed, is claimed in a few statements for the batch
     (``_SQLiteStore._claim_all_due``); jobs another process moved, paused jobs, and batches whose
@@ -966,6 +967,7 @@ def test_a_batch_claimed_at_once_answers_as_claims_made_one_job_at_a_time(tmp_pa
 
 
 @pytest.mark.sqlite_only  # (statements counted by SQLite's trace callback)
+@pytest.mark.skipif(sqlite3.sqlite_version_info < (3, 33), reason="a batch at once needs UPDATE ... FROM (SQLite 3.33)")
 def test_a_batch_of_claims_is_a_few_statements_whatever_its_size(db):
     """A hundred jobs due at once (a burst) are claimed in six statements with BEGIN and COMMIT, not
     three a job: each is one call into SQLite, during which the event loop's thread can work."""
