@@ -259,6 +259,11 @@ class StoreError(AnarchonError):
         self.transient = transient
 
 
+class _WouldWait(BaseException):
+    """A store call made on the event loop's thread would wait here (``_Store.run_on_loop``); a
+    ``BaseException``, so that no ``except Exception`` in the call takes it for the call's fault."""
+
+
 class _Refused(StoreError):
     """A file this process may not act on (another user's, or not an anarchon_lite database)."""
 
@@ -1389,6 +1394,30 @@ class _Store(abc.ABC):
     retention = 1000  # history records kept per job
     backlog: frozenset[str] = frozenset()  #: jobs whose last prune stopped at its bound, records left
     shrink = False  #: a backlog was pruned: the file's free pages may be given back (``tidy``)
+    on_loop = False  #: a call runs on the event loop's thread (``run_on_loop``)
+    _wrote = False  #: that call committed a change (it can no longer be run again from its start)
+
+    @property
+    def waitless(self) -> bool:
+        """Whether a call may run on the event loop's thread now (``run_on_loop``): where it would
+        wait for another process, or for the disk, it can stop instead. No store says so unless it
+        knows."""
+        return False
+
+    def run_on_loop(self, call: Callable[[], T]) -> T:
+        """``call()`` (a call of this store's) on the event loop's thread, which must not wait: where
+        the store would wait for another process before the call committed anything, ``_WouldWait``
+        is raised instead, and the caller makes the call again from its start on the store's thread."""
+        self.on_loop, self._wrote = True, False
+        try:
+            return call()
+        finally:
+            self.on_loop = False
+
+    def _would_wait(self) -> None:
+        """Called where the store is about to wait for another process (see ``run_on_loop``)."""
+        if self.on_loop and not self._wrote:
+            raise _WouldWait
 
     @property
     def untidy(self) -> bool:
@@ -3560,6 +3589,7 @@ class _SQLiteFile(_SQLStore):
         lock_poll: float | None = None,
         read_only: bool = False,
         autocheckpoint: bool = True,
+        waitless: bool = False,
         clock: Clock | None = None,
         board_dir: str | None = None,
         granted: dict[tuple[str, int, int], float] | None = None,
@@ -3576,6 +3606,13 @@ class _SQLiteFile(_SQLStore):
         # Without ``autocheckpoint``, a commit never writes the WAL back into the file itself (the
         # heartbeat connections: a renewal must not wait for that); ``checkpoint()`` does it.
         self._autocheckpoint = autocheckpoint
+        # With ``waitless`` (the scheduler's connection, syncing the disk only at checkpoints), calls
+        # may run on the event loop's thread (``run_on_loop``): they never wait for the write lock
+        # there (``_would_wait``), and the checkpoint after a commit is made by the store's thread
+        # (``_committed``), since it syncs the disk.
+        self._waitless = waitless and lock_poll is not None and not read_only
+        self._wal = ""  # the -wal beside the file opened
+        self._wal_due = False  #: the WAL holds ``_WAL_LIMIT``: the next commit is to write it back
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
         # With ``lock_poll``, a single-statement write looks for the lock this often (seconds) instead
@@ -3648,7 +3685,7 @@ class _SQLiteFile(_SQLStore):
             except BaseException:
                 conn.close()
                 raise
-            self._conn, self._identity = conn, (status.st_dev, status.st_ino)
+            self._conn, self._identity, self._wal = conn, (status.st_dev, status.st_ino), real + "-wal"
             return conn
 
     def _check_place(self, real: str) -> None:
@@ -3798,7 +3835,8 @@ class _SQLiteFile(_SQLStore):
             _switch_to_wal(conn, self.path, self._busy_timeout)
             conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             pages = _WAL_LIMIT // int(conn.execute("PRAGMA page_size").fetchone()[0])
-            conn.execute(f"PRAGMA wal_autocheckpoint = {pages if self._autocheckpoint else 0}")
+            by_itself = self._autocheckpoint and not self._waitless
+            conn.execute(f"PRAGMA wal_autocheckpoint = {pages if by_itself else 0}")
             conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT}")
             if version < SCHEMA_VERSION:
                 self._create_schema(conn)
@@ -3863,7 +3901,6 @@ class _SQLiteFile(_SQLStore):
         try:
             result = work(conn)
             conn.execute("COMMIT")
-            return result
         except BaseException as exc:
             if conn.in_transaction:
                 try:
@@ -3873,6 +3910,8 @@ class _SQLiteFile(_SQLStore):
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(self.path, self._explain(exc)) from None
             raise
+        self._committed(conn)
+        return result
 
     def _begin_write(self, conn: sqlite3.Connection) -> None:
         """``BEGIN IMMEDIATE``: the write lock, waited for up to ``busy_timeout``. With ``lock_poll``
@@ -3888,6 +3927,7 @@ class _SQLiteFile(_SQLStore):
             except sqlite3.Error as exc:
                 if not pause or not _is_busy(exc) or time.monotonic() > deadline:
                     raise StoreError(self.path, self._explain(exc)) from None
+            self._would_wait()
             deadline = min(deadline, time.monotonic() + self._busy_timeout)
             _pause(pause)
             pause = min(pause * 2, longest)
@@ -3900,6 +3940,7 @@ class _SQLiteFile(_SQLStore):
                 return conn.execute(sql, args).fetchall()
             except sqlite3.OperationalError as exc:
                 if self._lock_poll and _is_busy(exc) and time.monotonic() < deadline:
+                    self._would_wait()
                     deadline = min(deadline, time.monotonic() + self._busy_timeout)
                     _pause(self._lock_poll)  # (a reader waits only while another process recovers the WAL)
                     continue
@@ -3962,13 +4003,38 @@ class _SQLiteFile(_SQLStore):
         deadline = time.monotonic() + self._busy_timeout
         while True:
             try:
-                return int(conn.execute(sql, args).rowcount)
+                changed = int(conn.execute(sql, args).rowcount)
             except sqlite3.OperationalError as exc:
                 if not self._lock_poll or not _is_busy(exc) or time.monotonic() > deadline:
                     raise StoreError(self.path, _explain(exc)) from None
             except sqlite3.Error as exc:
                 raise StoreError(self.path, _explain(exc)) from None
+            else:
+                if changed:
+                    self._committed(conn)
+                return changed
+            self._would_wait()
             _pause(self._lock_poll)
+
+    @property
+    def waitless(self) -> bool:
+        return self._waitless and self._conn is not None and not self._wal_due
+
+    def _committed(self, conn: sqlite3.Connection) -> None:
+        """After a commit (of a ``waitless`` store): note that a call on the event loop's thread
+        wrote, and write the WAL back into the file once it holds ``_WAL_LIMIT``, as SQLite does
+        after a commit by itself, but never on the loop's thread, since a checkpoint syncs the disk:
+        the next call goes to the store's thread (``waitless`` is false), whose commit makes it."""
+        if not self._waitless:
+            return
+        self._wrote = True
+        try:
+            self._wal_due = os.stat(self._wal).st_size > _WAL_LIMIT
+        except OSError:
+            return
+        if self._wal_due and not self.on_loop:
+            with contextlib.suppress(sqlite3.Error):  # (as SQLite's own: a commit never fails for it)
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
 # A batch of claims at once (SQLite 3.33 and newer: ``UPDATE ... FROM``), each statement led by its
@@ -4441,6 +4507,7 @@ class _SQLite(_Backend):
             synchronous=self._synchronous,
             lock_poll=_LOCK_POLL,
             read_only=self._read_only,
+            waitless=self._synchronous == "NORMAL",  # (``FULL`` syncs the disk at every commit)
             clock=self._clock,
             board_dir=self._board_dir,
             shared_group=self.shared_group,
@@ -6495,13 +6562,17 @@ class _StoreThread:
     each answer is handed back to its loop as one callback (``submit``), or as the result of one
     future (``call``). (An executor's future, wrapped for the loop and shielded, took the loop four
     turns and five callbacks to resume the caller; a claim, an end and a read are each one of these
-    hops.)"""
+    hops.) A call submitted ``soon`` runs on the caller's thread instead when the thread has nothing
+    queued and the store needs no wait for it (``_Store.run_on_loop``): no hop at all."""
 
     def __init__(self, store: _Store):
         self.store = store
         self._calls: SimpleQueue[tuple[Callable[[_Store], Any], asyncio.AbstractEventLoop, _Answer] | None] = (
             SimpleQueue()
         )
+        self._queued = 0  # calls queued whose answer has not yet reached its loop (under ``_counting``)
+        self._counting = threading.Lock()
+        self._busy = threading.Lock()  # held while a call runs, on this thread or the caller's
         self._thread = threading.Thread(target=self._serve, name="anarchon-store")
         global _STORE_THREADS_TOLD
         if not _STORE_THREADS_TOLD:  # (before the interpreter waits for its threads; once a process)
@@ -6511,10 +6582,36 @@ class _StoreThread:
         _STORE_THREADS.add(self)
         self._thread.start()
 
-    def submit(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> None:
+    def submit(
+        self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer, soon: bool = False
+    ) -> None:
         """``work(store)`` on the thread, then ``answer(result, None)`` or ``answer(None, exception)``
-        on ``loop``."""
+        on ``loop``; with ``soon``, on this thread (the loop's) when it can be (see the class)."""
+        if soon and self._now(work, loop, answer):
+            return
+        with self._counting:
+            self._queued += 1
         self._calls.put((work, loop, answer))
+
+    def _now(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> bool:
+        """Run ``work`` on this thread if nothing is queued before it (the answers keep their order)
+        and the store can run it without waiting; whether it did."""
+        store = self.store
+        if self._queued or not store.waitless or not self._busy.acquire(blocking=False):
+            return False
+        try:
+            result = store.run_on_loop(lambda: work(store))
+        except _WouldWait:
+            return False
+        except (KeyboardInterrupt, SystemExit):
+            raise  # (a signal's, on this thread: the process's to judge, not the call's)
+        except BaseException as exc:  # noqa: BLE001 - the caller's to judge
+            loop.call_soon(answer, None, exc)
+        else:
+            loop.call_soon(answer, result, None)
+        finally:
+            self._busy.release()
+        return True
 
     async def call(self, work: Callable[[_Store], T]) -> T:
         """``work(store)`` on the thread; it completes even if the awaiting task is cancelled."""
@@ -6534,12 +6631,20 @@ class _StoreThread:
             _STORE_THREADS.discard(self)
 
     def _answer(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> None:
-        try:
-            result = work(self.store)
-        except BaseException as exc:  # noqa: BLE001 - the caller's to judge
-            _hand_back(loop, answer, None, exc)
-        else:
-            _hand_back(loop, answer, result, None)
+        result, failure = None, None
+        with self._busy:  # (let go before the answer leaves: the loop may make the next call itself)
+            try:
+                result = work(self.store)
+            except BaseException as exc:  # noqa: BLE001 - the caller's to judge
+                failure = exc
+        _hand_back(loop, self._answered, answer, result, failure)
+
+    def _answered(self, answer: _Answer, result: Any, exc: BaseException | None) -> None:
+        """An answer reaching its loop: counted first, so that a call the answer makes may be made
+        on the loop's thread (and the answers reach the loop in the order of their calls)."""
+        with self._counting:
+            self._queued -= 1
+        answer(result, exc)
 
     def close(self) -> None:
         """End the thread, and close its connection, after the calls queued before this."""
@@ -6576,14 +6681,15 @@ class _StoreLink:
         """Whether the store has upkeep to do (``_Store.tidy``)."""
         return self._thread is not None and self._thread.store.untidy
 
-    async def call(self, work: Callable[[_Store], T]) -> T:
+    async def call(self, work: Callable[[_Store], T], soon: bool = False) -> T:
         """Run ``work(store)`` on the store's thread; the transaction completes even if the
-        awaiting task is cancelled."""
+        awaiting task is cancelled. ``soon``: on the loop's own thread when the store needs no wait
+        for it (``_StoreThread``): the loop's claims, ends and reads, short and never waiting."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self.submit(work, functools.partial(_fill, future))
+        self.submit(work, functools.partial(_fill, future), soon)
         return await future
 
-    def submit(self, work: Callable[[_Store], Any], answer: _Answer) -> None:
+    def submit(self, work: Callable[[_Store], Any], answer: _Answer, soon: bool = False) -> None:
         """As ``call``, with no task to resume: ``answer(result, exception)`` is called on the loop
         once the thread has run ``work``."""
         if self._thread is None:
@@ -6609,7 +6715,7 @@ class _StoreLink:
                 self.close()
             answer(result, exc)
 
-        self._thread.submit(run, asyncio.get_running_loop(), answered)
+        self._thread.submit(run, asyncio.get_running_loop(), answered, soon and run is work)
 
     async def disconnect(self) -> None:
         """Close the connection and keep the thread: the next call connects again, and records."""
@@ -7003,9 +7109,10 @@ def _start_thread(
     threading.Thread(target=body, name=f"anarchon-{ctx.job}", daemon=True).start()
 
 
-def _hand_back(loop: asyncio.AbstractEventLoop, setter: Callable[[asyncio.Future[Any], Any], None], *args: Any) -> None:
-    """A thread handler's result, to its event loop. A loop already closed (the handler returned
-    after ``stop()`` gave up on it: its attempt was ended and fenced then) is told nothing."""
+def _hand_back(loop: asyncio.AbstractEventLoop, setter: Callable[..., None], *args: Any) -> None:
+    """A thread's answer (a handler's result, a store call's), to its event loop. A loop already
+    closed (the handler returned after ``stop()`` gave up on it: its attempt was ended and fenced
+    then) is told nothing."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(setter, *args)
 
@@ -7617,7 +7724,11 @@ class _Runner:
     def write_batch(self, batch: list[tuple[_End, _Call]]) -> None:
         ends = [end for end, _ in batch]
         try:
-            self._link.submit(lambda s: s.finish_many(self._instance, ends), functools.partial(self.written, batch))
+            self._link.submit(
+                lambda s: s.finish_many(self._instance, ends),
+                functools.partial(self.written, batch),
+                len(ends) <= _ON_THE_LOOP,
+            )
         except Exception as exc:  # noqa: BLE001 - (the store could not be opened) every waiting attempt gets it
             self.written(batch, None, exc)
 
@@ -8110,6 +8221,10 @@ _TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before th
 _SECOND_LOOK = 1.0
 _PEERS_EVERY = 2.0  # seconds at least between two reads of which processes run and what they declare
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
+# A call of the loop with at most this many claims and ends is made on the loop's thread when the store
+# needs no wait for it (``_StoreThread``); a larger one (a sweep's batch) goes to the store's thread,
+# whose statements let go of Python's lock while the loop runs the attempts already won.
+_ON_THE_LOOP = 10
 
 
 def _skipped(job: _Job) -> str:
@@ -8640,7 +8755,7 @@ class _Loop:
         known = self._peers_key
         self._read_real = time.monotonic()
         jobs, runs, newest, met = await self._link.call(
-            lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None)
+            lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None), soon=True
         )
         self._found(runs)
         changed = self._met(peers, met)
@@ -8669,7 +8784,9 @@ class _Loop:
         known = self._peers_key
         if runs:
             self._read_real = time.monotonic()
-        found, met = await self._link.call(lambda s: (s.runs() if runs else None, _met(s, known) if peers else None))
+        found, met = await self._link.call(
+            lambda s: (s.runs() if runs else None, _met(s, known) if peers else None), soon=True
+        )
         if found is not None:
             self._found(found)
         if peers and self._met(True, met) and self._agenda is not None:  # (when each job is looked at, too)
@@ -8761,7 +8878,9 @@ class _Loop:
         if ending:
             claims = await self._end_and_claim(ending, due, now_ms)
         else:
-            claims = await self._link.call(lambda s: s.claim_due_many(self.instance, now_ms, due))
+            claims = await self._link.call(
+                lambda s: s.claim_due_many(self.instance, now_ms, due), soon=len(due) <= _ON_THE_LOOP
+            )
         moved = {}
         written = []  # (the rows as this process moved them: the next look need not read them first)
         for (job, row), item, claim in zip(batch, due, claims):
@@ -8795,7 +8914,8 @@ class _Loop:
 
         ends = [end for end, _ in ending]
         try:
-            self._link.submit(lambda s: s.end_and_claim(self.instance, now_ms, ends, due), answered)
+            soon = len(ends) + len(due) <= _ON_THE_LOOP
+            self._link.submit(lambda s: s.end_and_claim(self.instance, now_ms, ends, due), answered, soon)
         except Exception as exc:
             self.runner.written(ending, None, exc)
             raise
@@ -8874,7 +8994,8 @@ class _Loop:
                 options.overlap,
                 reason,
                 owner_gone=gone is not None,
-            )
+            ),
+            soon=True,
         )
         if isinstance(claim, RunRecord):  # it reached max_attempts: this process ended it failed for good
             self.runner.tell_failure(job, claim)

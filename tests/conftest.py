@@ -259,7 +259,8 @@ class Process:
 
 
 class _Wrapped:
-    """A store whose methods named in ``around`` run through ``around[name](original, *args)``."""
+    """A store whose methods named in ``around`` run through ``around[name](original, *args)``
+    (and whose attributes named there have the value given)."""
 
     def __init__(self, inner, around):
         self._inner, self._around = inner, around
@@ -268,6 +269,8 @@ class _Wrapped:
         original = getattr(self._inner, name)
         if name not in self._around:
             return original
+        if not callable(self._around[name]):  # (a value in place of the store's: ``waitless=False``)
+            return self._around[name]
         return lambda *args, **kwargs: self._around[name](original, *args, **kwargs)
 
 

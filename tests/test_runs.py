@@ -154,7 +154,8 @@ def test_an_occurrence_its_first_process_leaves_unclaimed_is_claimed_by_another(
         return original(owner, now_ms, due)
 
     async def main():
-        a = make(db, clock, instance="a", store=faulty(claim_due_many=hanging))
+        # (its claims on its store's thread: made on the loop's, they would freeze b too, which shares it)
+        a = make(db, clock, instance="a", store=faulty(claim_due_many=hanging, waitless=False))
         b = make(db, clock, instance="b")
         for s in (a, b):
             for name in names:
@@ -455,7 +456,8 @@ def test_a_sweeps_end_of_a_job_another_process_claims_first_is_written_before_it
 
     async def main():
         loop = asyncio.get_running_loop()
-        a = make(db, clock, instance="a", store=faulty(claim_due_many=claiming))
+        # (a's claims on its store's thread, where the batch is held: on the loop's, b would be held too)
+        a = make(db, clock, instance="a", store=faulty(claim_due_many=claiming, waitless=False))
         b = make(db, clock, instance="b", store=faulty(claim=lambda original, *args, **kwargs: None))
         a.every(theirs, "1h", lambda ctx: release.wait(30), offset="30m1035ms", lease="3h")
         b.every(theirs, "1h", lambda ctx: None, offset="30m1035ms", lease="3h")

@@ -4,6 +4,7 @@ interval, the store's thread, a scheduler in a thread of its own, and what is le
 import asyncio
 import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -11,10 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUIET, run, wait_for
+from conftest import QUIET, faulty, run, wait_for
 from schedulers import (
+    HOUR,
+    aligned,
     has,
     make,
+    next_slot,
     statuses,
 )
 
@@ -425,3 +429,154 @@ def test_sync_code_runs_the_scheduler_in_a_thread_and_steers_it_with_control(db)
     finally:
         s.stop_thread(timeout=30)
     assert s._thread is None and not any(t.name == f"anarchon-{s.instance}" for t in threading.enumerate())
+
+
+def test_the_loops_claims_and_ends_are_made_on_its_own_thread_when_the_store_needs_no_wait(db, clock):
+    """A claim and an end, when the store's thread has nothing queued, are made on the event
+    loop's own thread on SQLite (a write that finds the lock free: no hop to the store's thread and
+    back); on PostgreSQL on the store's thread, whose calls wait for the network. (The runs are
+    awaited through the scheduler's events: a test asking the store meanwhile would have a call
+    queued on the thread now and then, and the scheduler's would go there too.)"""
+    calls, done = [], []
+
+    def noting(name):
+        def inner(original, *args, **kwargs):
+            calls.append((name, threading.get_ident()))
+            return original(*args, **kwargs)
+
+        return inner
+
+    async def main():
+        loop_thread = threading.get_ident()
+        s = make(db, clock, store=faulty(claim_due_many=noting("claim_due_many"), finish_many=noting("finish_many")))
+        s.on_event(lambda event: done.append(event.slot) if event.kind == "succeeded" else None)
+        aligned(clock, HOUR)
+        s.every("job", "1h", lambda ctx: None)
+        async with s:
+            for n in (1, 2, 3):
+                next_slot(clock, HOUR)
+                await wait_for(lambda n=n: len(done) == n and [name for name, _ in calls].count("finish_many") == n)
+        # (the first claim may meet the thread still busy with the process's start: the last ones)
+        last = {name: thread for name, thread in calls}
+        assert set(last) == {"claim_due_many", "finish_many"}
+        on_loop = {name for name, thread in last.items() if thread == loop_thread}
+        assert on_loop == (set() if db.startswith("postgresql://") else set(last)), calls
+
+    run(main())
+
+
+def _holding_the_write_lock(path):
+    """Another connection to the SQLite file at ``path``, holding its write lock."""
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    return other
+
+
+@pytest.mark.sqlite_only  # (the write lock of a file, which another process holds)
+def test_a_call_that_would_wait_for_the_write_lock_goes_to_the_stores_thread_and_the_loop_goes_on(db):
+    """A write submitted to be made on the loop's thread that finds the write lock held is not
+    waited for there: the store's thread makes it once the lock is free, and meanwhile the loop
+    runs (a call that waited on the loop's thread would hold every handler and timer up to 30 s)."""
+
+    async def main():
+        s = make(db)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        link = s._link
+        link.held = True
+        other = None
+        try:
+            await link.call(lambda store: None)  # (the job recorded, the connection open)
+            other = _holding_the_write_lock(db)
+            made = asyncio.ensure_future(
+                link.call(lambda store: (threading.get_ident(), store.trigger("job", 1000)), soon=True)
+            )
+            for _ in range(50):  # (the loop turns while the lock is held: the call cannot be done)
+                await asyncio.sleep(0)
+            assert not made.done()
+            other.execute("ROLLBACK")
+            thread, slot = await asyncio.wait_for(made, 10)
+            assert thread != threading.get_ident() and slot == 1000
+            assert [run.slot for run in await link.call(lambda store: store.runs())] == [1000]
+        finally:
+            if other is not None:
+                other.close()
+            link.held = False
+            link.close(wait=True)
+
+    run(main())
+
+
+@pytest.mark.sqlite_only  # (the write lock of a file, which another process holds)
+def test_a_call_on_the_loops_thread_that_wrote_waits_rather_than_be_made_twice(db, monkeypatch):
+    """A call made on the loop's thread that committed a write and then finds the write lock held
+    waits for it there: handed to the store's thread, it would be made again from its start, its
+    first write twice."""
+    other, waited = [], []
+    pause = al._pause
+
+    def pausing(seconds):  # (the store waits for the lock: the other connection lets it go then)
+        waited.append(threading.get_ident())
+        if other:
+            other.pop().execute("ROLLBACK")
+        pause(seconds)
+
+    monkeypatch.setattr(al, "_pause", pausing)
+    made = []
+
+    def both(store):
+        made.append(threading.get_ident())
+        first = store.trigger("job", 1000)
+        other.append(_holding_the_write_lock(db))
+        return first, store.trigger("job", 2000)
+
+    async def main():
+        s = make(db)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        link = s._link
+        link.held = True
+        try:
+            await link.call(lambda store: None)
+            assert await asyncio.wait_for(link.call(both, soon=True), 10) == (1000, 2000)
+            loop_thread = threading.get_ident()
+            assert made == [loop_thread] and loop_thread in waited
+            assert sorted(run.slot for run in await link.call(lambda store: store.runs())) == [1000, 2000]
+        finally:
+            link.held = False
+            link.close(wait=True)
+
+    run(main())
+
+
+@pytest.mark.sqlite_only  # (SQLite's write-ahead log)
+def test_the_wal_is_written_back_by_the_stores_thread_never_on_the_loops(db, monkeypatch):
+    """Writes made on the loop's thread never write the WAL back into the file there (a checkpoint
+    syncs the disk): once the WAL holds ``_WAL_LIMIT``, the next call goes to the store's thread,
+    which does it after its commit, and the WAL stays within its bound."""
+    monkeypatch.setattr(al, "_WAL_LIMIT", 64 * 1024)
+    checkpoints = []
+
+    async def main():
+        s = make(db)
+        s.every("job", "24h", lambda ctx: None, offset=QUIET)
+        link = s._link
+        link.held = True
+        try:
+            conn = await link.call(lambda store: store._connect())
+            conn.set_trace_callback(
+                lambda sql: checkpoints.append(threading.get_ident()) if "wal_checkpoint" in sql else None
+            )
+            where, largest, loop_thread = [], 0, threading.get_ident()
+            for i in range(300):
+                made = await link.call(
+                    lambda store, i=i: (store.trigger("job", i + 1), threading.get_ident()), soon=True
+                )
+                where.append(made[1])
+                largest = max(largest, os.stat(db + "-wal").st_size)
+            assert where.count(loop_thread) > 200  # (most of them)
+            assert checkpoints and loop_thread not in checkpoints
+            assert largest < 2 * al._WAL_LIMIT
+        finally:
+            link.held = False
+            link.close(wait=True)
+
+    run(main())
