@@ -2,6 +2,7 @@
 interval, the store's thread, a scheduler in a thread of its own, and what is left after close."""
 
 import asyncio
+import contextlib
 import logging
 import os
 import sqlite3
@@ -465,6 +466,22 @@ def test_the_loops_claims_and_ends_are_made_on_its_own_thread_when_the_store_nee
     run(main())
 
 
+@contextlib.asynccontextmanager
+async def _held_link(db):
+    """The link to the store of a scheduler declaring one job, held as while it serves (its thread
+    and connection stay between calls), its connection open."""
+    s = make(db)
+    s.every("job", "24h", lambda ctx: None, offset=QUIET)
+    link = s._link
+    link.held = True
+    try:
+        await link.call(lambda store: None)  # (the job recorded, the connection open)
+        yield link
+    finally:
+        link.held = False
+        link.close(wait=True)
+
+
 def _holding_the_write_lock(path):
     """Another connection to the SQLite file at ``path``, holding its write lock."""
     other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -479,29 +496,21 @@ def test_a_call_that_would_wait_for_the_write_lock_goes_to_the_stores_thread_and
     runs (a call that waited on the loop's thread would hold every handler and timer up to 30 s)."""
 
     async def main():
-        s = make(db)
-        s.every("job", "24h", lambda ctx: None, offset=QUIET)
-        link = s._link
-        link.held = True
-        other = None
-        try:
-            await link.call(lambda store: None)  # (the job recorded, the connection open)
+        async with _held_link(db) as link:
             other = _holding_the_write_lock(db)
-            made = asyncio.ensure_future(
-                link.call(lambda store: (threading.get_ident(), store.trigger("job", 1000)), soon=True)
-            )
-            for _ in range(50):  # (the loop turns while the lock is held: the call cannot be done)
-                await asyncio.sleep(0)
-            assert not made.done()
-            other.execute("ROLLBACK")
-            thread, slot = await asyncio.wait_for(made, 10)
+            try:
+                made = asyncio.ensure_future(
+                    link.call(lambda store: (threading.get_ident(), store.trigger("job", 1000)), soon=True)
+                )
+                for _ in range(50):  # (the loop turns while the lock is held: the call cannot be done)
+                    await asyncio.sleep(0)
+                assert not made.done()
+                other.execute("ROLLBACK")
+                thread, slot = await asyncio.wait_for(made, 10)
+            finally:
+                other.close()
             assert thread != threading.get_ident() and slot == 1000
             assert [run.slot for run in await link.call(lambda store: store.runs())] == [1000]
-        finally:
-            if other is not None:
-                other.close()
-            link.held = False
-            link.close(wait=True)
 
     run(main())
 
@@ -530,19 +539,11 @@ def test_a_call_on_the_loops_thread_that_wrote_waits_rather_than_be_made_twice(d
         return first, store.trigger("job", 2000)
 
     async def main():
-        s = make(db)
-        s.every("job", "24h", lambda ctx: None, offset=QUIET)
-        link = s._link
-        link.held = True
-        try:
-            await link.call(lambda store: None)
+        async with _held_link(db) as link:
             assert await asyncio.wait_for(link.call(both, soon=True), 10) == (1000, 2000)
             loop_thread = threading.get_ident()
             assert made == [loop_thread] and loop_thread in waited
             assert sorted(run.slot for run in await link.call(lambda store: store.runs())) == [1000, 2000]
-        finally:
-            link.held = False
-            link.close(wait=True)
 
     run(main())
 
@@ -556,11 +557,7 @@ def test_the_wal_is_written_back_by_the_stores_thread_never_on_the_loops(db, mon
     checkpoints = []
 
     async def main():
-        s = make(db)
-        s.every("job", "24h", lambda ctx: None, offset=QUIET)
-        link = s._link
-        link.held = True
-        try:
+        async with _held_link(db) as link:
             conn = await link.call(lambda store: store._connect())
             conn.set_trace_callback(
                 lambda sql: checkpoints.append(threading.get_ident()) if "wal_checkpoint" in sql else None
@@ -572,11 +569,8 @@ def test_the_wal_is_written_back_by_the_stores_thread_never_on_the_loops(db, mon
                 )
                 where.append(made[1])
                 largest = max(largest, os.stat(db + "-wal").st_size)
-            assert where.count(loop_thread) > 200  # (most of them)
-            assert checkpoints and loop_thread not in checkpoints
-            assert largest < 2 * al._WAL_LIMIT
-        finally:
-            link.held = False
-            link.close(wait=True)
+        assert where.count(loop_thread) > 200  # (most of them)
+        assert checkpoints and loop_thread not in checkpoints
+        assert largest < 2 * al._WAL_LIMIT
 
     run(main())
