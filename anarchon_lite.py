@@ -1395,7 +1395,7 @@ class _Store(abc.ABC):
     backlog: frozenset[str] = frozenset()  #: jobs whose last prune stopped at its bound, records left
     shrink = False  #: a backlog was pruned: the file's free pages may be given back (``tidy``)
     on_loop = False  #: a call runs on the event loop's thread (``run_on_loop``)
-    _wrote = False  #: that call committed a change (it can no longer be run again from its start)
+    wrote = False  #: that call committed a change (it can no longer be made again from its start)
 
     @property
     def waitless(self) -> bool:
@@ -1408,7 +1408,7 @@ class _Store(abc.ABC):
         """``call()`` (a call of this store's) on the event loop's thread, which must not wait: where
         the store would wait for another process before the call committed anything, ``_WouldWait``
         is raised instead, and the caller makes the call again from its start on the store's thread."""
-        self.on_loop, self._wrote = True, False
+        self.on_loop, self.wrote = True, False
         try:
             return call()
         finally:
@@ -1416,7 +1416,7 @@ class _Store(abc.ABC):
 
     def _would_wait(self) -> None:
         """Called where the store is about to wait for another process (see ``run_on_loop``)."""
-        if self.on_loop and not self._wrote:
+        if self.on_loop and not self.wrote:
             raise _WouldWait
 
     @property
@@ -3910,7 +3910,7 @@ class _SQLiteFile(_SQLStore):
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(self.path, self._explain(exc)) from None
             raise
-        self._committed(conn)
+        self._committed()
         return result
 
     def _begin_write(self, conn: sqlite3.Connection) -> None:
@@ -3978,7 +3978,7 @@ class _SQLiteFile(_SQLStore):
 
         if self._write(work, notify=False):
             return True
-        self._read("PRAGMA wal_checkpoint(PASSIVE)")  # (the file is cut short as the WAL is written back)
+        self._write_back()  # (the file is cut short as the WAL is written back)
         return False
 
     def maintain(self) -> None:
@@ -3991,7 +3991,28 @@ class _SQLiteFile(_SQLStore):
         except OSError:
             return
         if size > 2 * _WAL_LIMIT:
-            self._read("PRAGMA wal_checkpoint(PASSIVE)")
+            self._write_back()
+
+    def _write_back(self) -> None:
+        """Write the WAL back into the file without waiting for anyone (a passive checkpoint); once
+        the whole of it is, begin it anew at once with a write on this thread (the schema version
+        written as it is): with ``synchronous = NORMAL`` the first commit into a WAL begun anew
+        syncs its header, and that commit must not be one made on an event loop's thread."""
+        busy, log, done = self._read("PRAGMA wal_checkpoint(PASSIVE)")[0]
+        if busy or log <= 0 or done != log:
+            return
+        conn = self._connect()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error:
+            return  # (another process writes now: its commit begins the WAL anew)
+        try:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            conn.execute(f"PRAGMA user_version = {version}")
+            conn.execute("COMMIT")
+        except sqlite3.Error:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
 
     def data_version(self) -> int:
         """A number that changes whenever another connection commits to the file."""
@@ -4011,7 +4032,7 @@ class _SQLiteFile(_SQLStore):
                 raise StoreError(self.path, _explain(exc)) from None
             else:
                 if changed:
-                    self._committed(conn)
+                    self._committed()
                 return changed
             self._would_wait()
             _pause(self._lock_poll)
@@ -4020,21 +4041,23 @@ class _SQLiteFile(_SQLStore):
     def waitless(self) -> bool:
         return self._waitless and self._conn is not None and not self._wal_due
 
-    def _committed(self, conn: sqlite3.Connection) -> None:
+    def _committed(self) -> None:
         """After a commit (of a ``waitless`` store): note that a call on the event loop's thread
         wrote, and write the WAL back into the file once it holds ``_WAL_LIMIT``, as SQLite does
         after a commit by itself, but never on the loop's thread, since a checkpoint syncs the disk:
-        the next call goes to the store's thread (``waitless`` is false), whose commit makes it."""
+        the next call goes to the store's thread (``waitless`` is false), whose commit makes it
+        (``_write_back``)."""
         if not self._waitless:
             return
-        self._wrote = True
+        self.wrote = True
         try:
             self._wal_due = os.stat(self._wal).st_size > _WAL_LIMIT
+            if self._wal_due and not self.on_loop:
+                with contextlib.suppress(StoreError):  # (as SQLite's own: a commit never fails for it)
+                    self._write_back()
+                self._wal_due = os.stat(self._wal).st_size > _WAL_LIMIT
         except OSError:
             return
-        if self._wal_due and not self.on_loop:
-            with contextlib.suppress(sqlite3.Error):  # (as SQLite's own: a commit never fails for it)
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
 
 # A batch of claims at once (SQLite 3.33 and newer: ``UPDATE ... FROM``), each statement led by its
@@ -6587,8 +6610,10 @@ class _StoreThread:
     ) -> None:
         """``work(store)`` on the thread, then ``answer(result, None)`` or ``answer(None, exception)``
         on ``loop``; with ``soon``, on this thread (the loop's) when it can be (see the class)."""
-        if soon and self._now(work, loop, answer):
-            return
+        if not soon or not self._now(work, loop, answer):
+            self._queue(work, loop, answer)
+
+    def _queue(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> None:
         with self._counting:
             self._queued += 1
         self._calls.put((work, loop, answer))
@@ -6597,14 +6622,20 @@ class _StoreThread:
         """Run ``work`` on this thread if nothing is queued before it (the answers keep their order)
         and the store can run it without waiting; whether it did."""
         store = self.store
-        if self._queued or not store.waitless or not self._busy.acquire(blocking=False):
+        if self._queued or not self._busy.acquire(blocking=False):
             return False
         try:
+            if not store.waitless:  # (asked with the thread held: a call of another loop's can change it)
+                return False
             result = store.run_on_loop(lambda: work(store))
         except _WouldWait:
             return False
-        except (KeyboardInterrupt, SystemExit):
-            raise  # (a signal's, on this thread: the process's to judge, not the call's)
+        except (KeyboardInterrupt, SystemExit) as exc:  # a signal's, on this thread: the process's to judge
+            if store.wrote:  # (made in part: its answer is the exception)
+                loop.call_soon(answer, None, exc)
+            else:  # (rolled back: made whole on the store's thread)
+                self._queue(work, loop, answer)
+            raise
         except BaseException as exc:  # noqa: BLE001 - the caller's to judge
             loop.call_soon(answer, None, exc)
         else:
@@ -6626,7 +6657,7 @@ class _StoreThread:
                 self._answer(*call)
                 del call  # (nothing of a call is kept while the thread waits for the next)
         finally:
-            with contextlib.suppress(Exception):
+            with self._busy, contextlib.suppress(Exception):  # (not under a call the loop is making)
                 self.store.close()
             _STORE_THREADS.discard(self)
 
@@ -6637,7 +6668,9 @@ class _StoreThread:
                 result = work(self.store)
             except BaseException as exc:  # noqa: BLE001 - the caller's to judge
                 failure = exc
-        _hand_back(loop, self._answered, answer, result, failure)
+        if not _hand_back(loop, self._answered, answer, result, failure):
+            with self._counting:  # (its loop is closed: the answer never gets there to count)
+                self._queued -= 1
 
     def _answered(self, answer: _Answer, result: Any, exc: BaseException | None) -> None:
         """An answer reaching its loop: counted first, so that a call the answer makes may be made
@@ -7109,12 +7142,15 @@ def _start_thread(
     threading.Thread(target=body, name=f"anarchon-{ctx.job}", daemon=True).start()
 
 
-def _hand_back(loop: asyncio.AbstractEventLoop, setter: Callable[..., None], *args: Any) -> None:
-    """A thread's answer (a handler's result, a store call's), to its event loop. A loop already
-    closed (the handler returned after ``stop()`` gave up on it: its attempt was ended and fenced
-    then) is told nothing."""
-    with contextlib.suppress(RuntimeError):
+def _hand_back(loop: asyncio.AbstractEventLoop, setter: Callable[..., None], *args: Any) -> bool:
+    """A thread's answer (a handler's result, a store call's), to its event loop; whether it was
+    handed. A loop already closed (the handler returned after ``stop()`` gave up on it: its attempt
+    was ended and fenced then) is told nothing."""
+    try:
         loop.call_soon_threadsafe(setter, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
@@ -8221,9 +8257,10 @@ _TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before th
 _SECOND_LOOK = 1.0
 _PEERS_EVERY = 2.0  # seconds at least between two reads of which processes run and what they declare
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
-# A call of the loop with at most this many claims and ends is made on the loop's thread when the store
-# needs no wait for it (``_StoreThread``); a larger one (a sweep's batch) goes to the store's thread,
-# whose statements let go of Python's lock while the loop runs the attempts already won.
+# A call of the loop with at most this many claims and ends (a read: ten times as many rows the last
+# time) is made on the loop's thread when the store needs no wait for it (``_StoreThread``); a larger
+# one (a sweep's batch) goes to the store's thread, whose statements let go of Python's lock while the
+# loop runs the attempts already won.
 _ON_THE_LOOP = 10
 
 
@@ -8383,6 +8420,9 @@ class _Loop:
         self._busy_until = 0.0  #: no look before this (monotonic): see _LOOK_GAP
         self._moved: dict[str, int] = {}  #: watermarks found moved by the last ``_fire``, by job
         self._runs: list[_RunRow] | None = None  #: the unfinished runs as last read
+        # The last read found few rows (``_ON_THE_LOOP`` tens): the next may be made on the loop's own
+        # thread (a read of thousands would hold every handler and timer on the loop meanwhile).
+        self._small_reads = False
         self._newest = 0  #: the newest occurrence recorded in the store (ms)
         self._wait = 0.0  #: seconds until the next look, as the last look found
         self._delay = 0.0  #: seconds of back-off, while looks fail
@@ -8755,8 +8795,10 @@ class _Loop:
         known = self._peers_key
         self._read_real = time.monotonic()
         jobs, runs, newest, met = await self._link.call(
-            lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None), soon=True
+            lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None),
+            soon=since >= 0 and self._small_reads,
         )
+        self._small_reads = len(jobs) + len(runs) <= _ON_THE_LOOP * 10
         self._found(runs)
         changed = self._met(peers, met)
         self.runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
@@ -8785,9 +8827,10 @@ class _Loop:
         if runs:
             self._read_real = time.monotonic()
         found, met = await self._link.call(
-            lambda s: (s.runs() if runs else None, _met(s, known) if peers else None), soon=True
+            lambda s: (s.runs() if runs else None, _met(s, known) if peers else None), soon=self._small_reads
         )
         if found is not None:
+            self._small_reads = len(found) <= _ON_THE_LOOP * 10
             self._found(found)
         if peers and self._met(True, met) and self._agenda is not None:  # (when each job is looked at, too)
             self._agenda = _Agenda(self._declared.jobs, self._agenda.rows.values(), self._look)

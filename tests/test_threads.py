@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -572,5 +573,130 @@ def test_the_wal_is_written_back_by_the_stores_thread_never_on_the_loops(db, mon
         assert where.count(loop_thread) > 200  # (most of them)
         assert checkpoints and loop_thread not in checkpoints
         assert largest < 2 * al._WAL_LIMIT
+
+    run(main())
+
+
+def _wal_begun(path):
+    """How many times the WAL beside ``path`` was begun anew (its header's checkpoint sequence)."""
+    with open(path + "-wal", "rb") as wal:
+        wal.seek(12)
+        return int.from_bytes(wal.read(4), "big")
+
+
+@pytest.mark.sqlite_only  # (SQLite's write-ahead log)
+def test_a_commit_on_the_loops_thread_never_begins_the_wal_anew_after_another_process_wrote_it_back(db, monkeypatch):
+    """The first commit into a WAL begun anew syncs its header (``synchronous = NORMAL``), and a
+    commit made on the loop's thread must not wait for the disk: a process that writes the whole
+    WAL back begins it anew itself at once (``_write_back``), so that the next commit of another
+    process, made on its loop's thread, only adds to it. (Two schedulers of one process stand for
+    two processes: each has a connection of its own.)"""
+    monkeypatch.setattr(al, "_WAL_LIMIT", 32 * 1024)
+    written_back = []
+
+    async def main():
+        async with _held_link(db) as a, _held_link(db) as b:
+            conn = await b.call(lambda store: store._connect())
+            conn.set_trace_callback(lambda sql: written_back.append(1) if "wal_checkpoint" in sql else None)
+            loop_thread, after = threading.get_ident(), []
+            for i in range(200):
+                await b.call(lambda store, i=i: store.trigger("job", 10_000 + i))  # (on b's thread)
+                back, begun = len(written_back), _wal_begun(db)
+                thread = await a.call(lambda store, i=i: (store.trigger("job", i), threading.get_ident())[1], soon=True)
+                after.append((back, thread, begun, _wal_begun(db)))
+        looked = [(thread, before, now) for back, thread, before, now in after if thread == loop_thread]
+        assert written_back and looked  # (b wrote the WAL back, a committed on its loop's thread)
+        assert all(before == now for _, before, now in looked), after
+
+    run(main())
+
+
+@pytest.mark.sqlite_only  # (calls made on the loop's thread: SQLite's alone)
+def test_a_call_whose_loop_closed_before_its_answer_leaves_the_next_calls_on_the_loops_thread(db):
+    """A call from another event loop (a web request's ``asyncio.run`` asking ``status()`` with a
+    timeout, while the scheduler runs in a thread of its own) whose loop is closed before the
+    store's thread answers is counted off there: its answer never reaches a loop to count it, and
+    no later call would be made on the loop's thread again (found by a review)."""
+    let_go = threading.Event()
+
+    async def main():
+        async with _held_link(db) as link:
+            here = threading.get_ident()
+            assert await link.call(lambda store: threading.get_ident(), soon=True) == here
+
+            def elsewhere():
+                async def ask():
+                    link.submit(lambda store: let_go.wait(10), lambda *answer: None)
+
+                asyncio.run(ask())  # (its loop closed before the thread answers)
+                let_go.set()
+
+            other = threading.Thread(target=elsewhere)
+            other.start()
+            await asyncio.get_running_loop().run_in_executor(None, other.join)
+            await wait_for(lambda: link._thread._queued == 0, message="the call counted off")
+            assert [await link.call(lambda store: threading.get_ident(), soon=True) for _ in range(5)] == 5 * [here]
+
+    run(main())
+
+
+@pytest.mark.sqlite_only  # (calls made on the loop's thread: SQLite's alone)
+def test_a_signal_in_the_middle_of_a_call_made_on_the_loops_thread_does_not_lose_the_call(db):
+    """A signal handler that raises (``sys.exit`` on SIGTERM, ``KeyboardInterrupt``) runs on the
+    main thread, which may be in the middle of a store call made there: the exception goes on, and
+    the call, rolled back, is made on the store's thread and answered (an end taken from the
+    runner's queue would otherwise never be written; found by a review)."""
+    hit = []
+
+    def on_signal(signum, frame):
+        raise SystemExit(0)
+
+    before = signal.signal(signal.SIGUSR1, on_signal)
+
+    def work(store):
+        if threading.current_thread() is threading.main_thread() and not hit:
+            hit.append(1)
+            os.kill(os.getpid(), signal.SIGUSR1)  # (its handler runs on this thread at once)
+        return store.trigger("job", 1000)
+
+    async def main():
+        async with _held_link(db) as link:
+            answers = []
+            with pytest.raises(SystemExit):
+                link.submit(work, lambda result, exc: answers.append((result, exc)), soon=True)
+            assert hit  # (begun on the loop's thread, and the signal came then)
+            await wait_for(lambda: answers, message="the call answered")
+            assert answers == [(1000, None)]
+
+    try:
+        run(main())
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_look_that_reads_many_rows_reads_the_next_time_on_the_stores_thread(db):
+    """A look's read is made on the loop's thread only after one that found few rows, and a read
+    of every job never: thousands of rows read there would hold every handler and timer on the
+    loop meanwhile (found by a review)."""
+    where = []
+
+    def noting(original, *args, **kwargs):
+        where.append(threading.get_ident())
+        return original(*args, **kwargs)
+
+    async def main():
+        s = make(db, store=faulty(jobs=noting))
+        for i in range(1500):
+            s.every(f"job{i}", "24h", lambda ctx: None, offset=QUIET)
+        link = s._link
+        link.held = True
+        try:
+            await link.call(lambda store: None)
+            await s._loop._read()  # (every row, as at the start and every _FULL_READ)
+            await s._loop._read()  # (the rows changed since: none, but the last read found many)
+            assert threading.get_ident() not in where
+        finally:
+            link.held = False
+            link.close(wait=True)
 
     run(main())
