@@ -3898,13 +3898,16 @@ class _SQLiteFile(_SQLStore):
         watch; one that changed nothing writes nothing, whatever ``notify`` says.)"""
         conn = self._connect()
         self._begin_write(conn)
+        wrote = self.wrote
         try:
             result = work(conn)
+            self.wrote = True  # (from its commit on, a call is never made again: a signal may come after)
             conn.execute("COMMIT")
         except BaseException as exc:
             if conn.in_transaction:
                 try:
                     conn.execute("ROLLBACK")
+                    self.wrote = wrote
                 except sqlite3.Error:
                     pass
             if isinstance(exc, sqlite3.Error):
@@ -4005,14 +4008,17 @@ class _SQLiteFile(_SQLStore):
         try:
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error:
-            return  # (another process writes now: its commit begins the WAL anew)
+            return  # (another process writes now, or is about to: its commit begins the WAL anew)
         try:
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
             conn.execute(f"PRAGMA user_version = {version}")
             conn.execute("COMMIT")
-        except sqlite3.Error:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+        except BaseException as exc:
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            if not isinstance(exc, sqlite3.Error):
+                raise
 
     def data_version(self) -> int:
         """A number that changes whenever another connection commits to the file."""
@@ -4022,17 +4028,23 @@ class _SQLiteFile(_SQLStore):
         """One write statement, its own transaction; returns the number of rows it changed."""
         conn = self._connect()
         deadline = time.monotonic() + self._busy_timeout
+        wrote = self.wrote
         while True:
             try:
+                self.wrote = True  # (as in ``_write``: the statement commits as it ends)
                 changed = int(conn.execute(sql, args).rowcount)
             except sqlite3.OperationalError as exc:
+                self.wrote = wrote
                 if not self._lock_poll or not _is_busy(exc) or time.monotonic() > deadline:
                     raise StoreError(self.path, _explain(exc)) from None
             except sqlite3.Error as exc:
+                self.wrote = wrote
                 raise StoreError(self.path, _explain(exc)) from None
             else:
                 if changed:
                     self._committed()
+                else:
+                    self.wrote = wrote
                 return changed
             self._would_wait()
             _pause(self._lock_poll)
@@ -6593,7 +6605,9 @@ class _StoreThread:
         self._calls: SimpleQueue[tuple[Callable[[_Store], Any], asyncio.AbstractEventLoop, _Answer] | None] = (
             SimpleQueue()
         )
-        self._queued = 0  # calls queued whose answer has not yet reached its loop (under ``_counting``)
+        # By loop, the calls queued whose answer has not yet reached it (under ``_counting``): a loop
+        # stopped and closed before an answer reached it holds only its own count up.
+        self._queued: dict[asyncio.AbstractEventLoop, int] = {}
         self._counting = threading.Lock()
         self._busy = threading.Lock()  # held while a call runs, on this thread or the caller's
         self._thread = threading.Thread(target=self._serve, name="anarchon-store")
@@ -6615,31 +6629,31 @@ class _StoreThread:
 
     def _queue(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> None:
         with self._counting:
-            self._queued += 1
+            self._queued[loop] = self._queued.get(loop, 0) + 1
         self._calls.put((work, loop, answer))
 
     def _now(self, work: Callable[[_Store], Any], loop: asyncio.AbstractEventLoop, answer: _Answer) -> bool:
         """Run ``work`` on this thread if nothing is queued before it (the answers keep their order)
         and the store can run it without waiting; whether it did."""
         store = self.store
-        if self._queued or not self._busy.acquire(blocking=False):
+        if loop in self._queued or not self._busy.acquire(blocking=False):
             return False
         try:
             if not store.waitless:  # (asked with the thread held: a call of another loop's can change it)
                 return False
-            result = store.run_on_loop(lambda: work(store))
+            loop.call_soon(answer, store.run_on_loop(lambda: work(store)), None)
         except _WouldWait:
             return False
         except (KeyboardInterrupt, SystemExit) as exc:  # a signal's, on this thread: the process's to judge
-            if store.wrote:  # (made in part: its answer is the exception)
+            # (Python runs a signal's handler between two steps of its own, the few between the
+            # call's end and its answer's planning included: an answer lost there is the limit.)
+            if store.wrote:  # (it wrote, in part or whole: its answer is the exception)
                 loop.call_soon(answer, None, exc)
             else:  # (rolled back: made whole on the store's thread)
                 self._queue(work, loop, answer)
             raise
         except BaseException as exc:  # noqa: BLE001 - the caller's to judge
             loop.call_soon(answer, None, exc)
-        else:
-            loop.call_soon(answer, result, None)
         finally:
             self._busy.release()
         return True
@@ -6668,16 +6682,24 @@ class _StoreThread:
                 result = work(self.store)
             except BaseException as exc:  # noqa: BLE001 - the caller's to judge
                 failure = exc
-        if not _hand_back(loop, self._answered, answer, result, failure):
-            with self._counting:  # (its loop is closed: the answer never gets there to count)
-                self._queued -= 1
+        if not _hand_back(loop, self._answered, loop, answer, result, failure):
+            self._counted(loop)  # (its loop is closed: the answer never gets there to count)
 
-    def _answered(self, answer: _Answer, result: Any, exc: BaseException | None) -> None:
+    def _answered(
+        self, loop: asyncio.AbstractEventLoop, answer: _Answer, result: Any, exc: BaseException | None
+    ) -> None:
         """An answer reaching its loop: counted first, so that a call the answer makes may be made
         on the loop's thread (and the answers reach the loop in the order of their calls)."""
-        with self._counting:
-            self._queued -= 1
+        self._counted(loop)
         answer(result, exc)
+
+    def _counted(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._counting:
+            left = self._queued[loop] - 1
+            if left:
+                self._queued[loop] = left
+            else:
+                del self._queued[loop]
 
     def close(self) -> None:
         """End the thread, and close its connection, after the calls queued before this."""

@@ -634,7 +634,7 @@ def test_a_call_whose_loop_closed_before_its_answer_leaves_the_next_calls_on_the
             other = threading.Thread(target=elsewhere)
             other.start()
             await asyncio.get_running_loop().run_in_executor(None, other.join)
-            await wait_for(lambda: link._thread._queued == 0, message="the call counted off")
+            await wait_for(lambda: not link._thread._queued, message="the call counted off")
             assert [await link.call(lambda store: threading.get_ident(), soon=True) for _ in range(5)] == 5 * [here]
 
     run(main())
@@ -700,3 +700,75 @@ def test_a_look_that_reads_many_rows_reads_the_next_time_on_the_stores_thread(db
             link.close(wait=True)
 
     run(main())
+
+
+@pytest.mark.sqlite_only  # (calls made on the loop's thread: SQLite's alone)
+def test_an_answer_left_in_a_loop_stopped_then_closed_holds_up_no_other_loop(db):
+    """An answer handed to a loop that has stopped but is not yet closed is never counted there
+    (the loop closes with it queued): the count is kept by loop, so that only that one's calls are
+    held off the loop's thread (found by a review)."""
+    let_go = threading.Event()
+
+    async def main():
+        async with _held_link(db) as link:
+            here = threading.get_ident()
+
+            def elsewhere():
+                loop = asyncio.new_event_loop()
+
+                async def ask():
+                    link.submit(lambda store: let_go.wait(10), lambda *answer: None)
+
+                loop.run_until_complete(ask())  # (stopped, not closed)
+                let_go.set()
+                deadline = time.monotonic() + 10
+                while not loop._ready and time.monotonic() < deadline:  # (the answer handed to it)
+                    let_go.wait(0.01)
+                loop.close()
+
+            other = threading.Thread(target=elsewhere)
+            other.start()
+            await asyncio.get_running_loop().run_in_executor(None, other.join)
+            assert [await link.call(lambda store: threading.get_ident(), soon=True) for _ in range(5)] == 5 * [here]
+
+    run(main())
+
+
+@pytest.mark.sqlite_only  # (calls made on the loop's thread: SQLite's alone)
+def test_a_signal_right_after_a_commit_on_the_loops_thread_does_not_have_the_call_made_again(db):
+    """A signal's exception that comes once a call's commit has landed (before the store noted
+    it) has the call answered with it, never made a second time (found by a review)."""
+    hit = []
+
+    def on_signal(signum, frame):
+        raise SystemExit(0)
+
+    before = signal.signal(signal.SIGUSR1, on_signal)
+
+    def work(store):
+        if threading.current_thread() is threading.main_thread() and not hit:
+            committed = store._committed
+
+            def after_commit():  # (COMMIT has returned: the first Python code run after it)
+                del store._committed
+                hit.append(1)
+                os.kill(os.getpid(), signal.SIGUSR1)  # (as if it had come while COMMIT ran)
+                committed()
+
+            store._committed = after_commit
+        return store.trigger("job", 1000)
+
+    async def main():
+        async with _held_link(db) as link:
+            answers = []
+            with pytest.raises(SystemExit):
+                link.submit(work, lambda result, exc: answers.append((result, exc)), soon=True)
+            assert hit
+            await wait_for(lambda: answers, message="the call answered")
+            assert [(result, type(exc)) for result, exc in answers] == [(None, SystemExit)]
+            assert [run.slot for run in await link.call(lambda store: store.runs())] == [1000]
+
+    try:
+        run(main())
+    finally:
+        signal.signal(signal.SIGUSR1, before)
