@@ -640,6 +640,24 @@ def test_a_call_whose_loop_closed_before_its_answer_leaves_the_next_calls_on_the
     run(main())
 
 
+async def _answers_of_a_call_hit_by_a_signal(link, work):
+    """Submit ``work`` to be made on the loop's thread, which it interrupts there with SIGUSR1,
+    whose handler raises ``SystemExit`` (as an application's own SIGTERM handler may): the
+    exception goes on, and the call's answers, once it has one, are returned."""
+
+    def on_signal(signum, frame):
+        raise SystemExit(0)
+
+    answers, before = [], signal.signal(signal.SIGUSR1, on_signal)
+    try:
+        with pytest.raises(SystemExit):
+            link.submit(work, lambda result, exc: answers.append((result, exc)), soon=True)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    await wait_for(lambda: answers, message="the call answered")
+    return answers
+
+
 @pytest.mark.sqlite_only  # (calls made on the loop's thread: SQLite's alone)
 def test_a_signal_in_the_middle_of_a_call_made_on_the_loops_thread_does_not_lose_the_call(db):
     """A signal handler that raises (``sys.exit`` on SIGTERM, ``KeyboardInterrupt``) runs on the
@@ -647,11 +665,6 @@ def test_a_signal_in_the_middle_of_a_call_made_on_the_loops_thread_does_not_lose
     the call, rolled back, is made on the store's thread and answered (an end taken from the
     runner's queue would otherwise never be written; found by a review)."""
     hit = []
-
-    def on_signal(signum, frame):
-        raise SystemExit(0)
-
-    before = signal.signal(signal.SIGUSR1, on_signal)
 
     def work(store):
         if threading.current_thread() is threading.main_thread() and not hit:
@@ -661,17 +674,10 @@ def test_a_signal_in_the_middle_of_a_call_made_on_the_loops_thread_does_not_lose
 
     async def main():
         async with _held_link(db) as link:
-            answers = []
-            with pytest.raises(SystemExit):
-                link.submit(work, lambda result, exc: answers.append((result, exc)), soon=True)
+            assert await _answers_of_a_call_hit_by_a_signal(link, work) == [(1000, None)]
             assert hit  # (begun on the loop's thread, and the signal came then)
-            await wait_for(lambda: answers, message="the call answered")
-            assert answers == [(1000, None)]
 
-    try:
-        run(main())
-    finally:
-        signal.signal(signal.SIGUSR1, before)
+    run(main())
 
 
 def test_a_look_that_reads_many_rows_reads_the_next_time_on_the_stores_thread(db):
@@ -740,11 +746,6 @@ def test_a_signal_right_after_a_commit_on_the_loops_thread_does_not_have_the_cal
     it) has the call answered with it, never made a second time (found by a review)."""
     hit = []
 
-    def on_signal(signum, frame):
-        raise SystemExit(0)
-
-    before = signal.signal(signal.SIGUSR1, on_signal)
-
     def work(store):
         if threading.current_thread() is threading.main_thread() and not hit:
             committed = store._committed
@@ -760,15 +761,8 @@ def test_a_signal_right_after_a_commit_on_the_loops_thread_does_not_have_the_cal
 
     async def main():
         async with _held_link(db) as link:
-            answers = []
-            with pytest.raises(SystemExit):
-                link.submit(work, lambda result, exc: answers.append((result, exc)), soon=True)
-            assert hit
-            await wait_for(lambda: answers, message="the call answered")
-            assert [(result, type(exc)) for result, exc in answers] == [(None, SystemExit)]
+            answers = await _answers_of_a_call_hit_by_a_signal(link, work)
+            assert hit and [(result, type(exc)) for result, exc in answers] == [(None, SystemExit)]
             assert [run.slot for run in await link.call(lambda store: store.runs())] == [1000]
 
-    try:
-        run(main())
-    finally:
-        signal.signal(signal.SIGUSR1, before)
+    run(main())
