@@ -443,8 +443,9 @@ def test_the_loops_claims_and_ends_are_made_on_its_own_thread_when_the_store_nee
 
     def noting(name):
         def inner(original, *args, **kwargs):
+            made = original(*args, **kwargs)  # (where it was made: a call that stepped back, not)
             calls.append((name, threading.get_ident()))
-            return original(*args, **kwargs)
+            return made
 
         return inner
 
