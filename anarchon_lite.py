@@ -7404,6 +7404,7 @@ class _Runner:
         self.hooks: set[asyncio.Future[Any]] = set()  #: ``on_failure`` calls still running
         self.grace = 10.0  #: the grace of the stop in progress
         self.hurry: asyncio.Event | None = None  #: set when the stop's grace is over (or cut short)
+        self._stopped: Callable[[str], Aborted] | None = None  #: the stop's reason, once it began (``stop``)
         self._ends: list[tuple[_End, _Call]] = []  #: attempts' ends waiting to be written
         #: seconds the end of a run of this job (its run over) may wait for the next claim's transaction
         self.end_wait: Callable[[str], float] = lambda job: 0.0
@@ -7417,6 +7418,13 @@ class _Runner:
         """Attach the threads that keep attempts alive, as the scheduler starts serving."""
         self._heartbeats, self._timers, self._watchdog = heartbeats, timers, watchdog
         self.hurry = asyncio.Event()
+        self._stopped = None
+
+    def stop(self, reason: Callable[[str], Aborted]) -> None:
+        """Abort the running attempts with ``reason(job name)``, and every attempt started from
+        now on (won by a claim that was in flight as the process began to stop)."""
+        self._stopped = reason
+        self.abort(reason)
 
     def abort(self, reason: Callable[[str], Aborted], job: str | None = None) -> None:
         """Abort the running attempts (of ``job``, or all) with ``reason(job name)``."""
@@ -7448,6 +7456,8 @@ class _Runner:
         (its grace after an abort, its end) in callbacks on the loop (``_Call``)."""
         assert self._heartbeats is not None and self._timers is not None and self._watchdog is not None
         token = _AttemptToken()
+        if self._stopped is not None:  # (a claim answered after the stop began: its run is handed over)
+            token.abort(self._stopped(claim.job))
         attempt = _Attempt(job, claim, self._instance, token, job.options.lease, max(job.options.lease / 3, 0.05))
         self.running[(claim.job, claim.slot)] = attempt
         self._heartbeats.add(attempt)
@@ -8927,39 +8937,71 @@ class _Loop:
         miss), ``_CLAIM_BATCH`` jobs a transaction; the attempts won start between them, and each
         process begins at a place of its own in the list, so that processes finding thousands
         due at once share them. Returns the watermarks that had moved, by job."""
-        if len(ready) > _CLAIM_BATCH:
-            ready = _from_own_place(ready, self.instance)
+        if len(ready) <= _CLAIM_BATCH:
+            return await self._claim_batch(ready, now_ms)
+        ready = _from_own_place(ready, self.instance)
         # (Batch after batch, the ends are written beside the claims, not in their way: a claim
         # that waited for a hundred ends before it took 15% longer to start 10,000.)
-        self._sweeping = len(ready) > _CLAIM_BATCH
-        if self._sweeping:  # (an end waiting goes first, in the store thread's order: its job may be in the sweep)
-            self.runner.write_ends()
-        moved = {}
+        self._sweeping = True
+        self.runner.write_ends()  # (an end waiting goes first, in the store thread's order: its job may be in the sweep)
+        # The store's thread claims the next batch while the loop starts the attempts of the last
+        # (two batches in flight: the thread's 1.4 ms a batch of 100 no longer adds to the loop's).
+        batches = [ready[start : start + _CLAIM_BATCH] for start in range(0, len(ready), _CLAIM_BATCH)]
+        moved: dict[str, int] = {}
+        claiming: collections.deque[asyncio.Future[dict[str, int]]] = collections.deque()
         try:
-            for start in range(0, len(ready), _CLAIM_BATCH):
-                if start:
-                    await asyncio.sleep(0)  # the attempts just won start
+            for batch in batches:
+                if len(claiming) == 2:
+                    moved.update(await claiming.popleft())  # (its attempts started as it was answered)
                     if self.stopping:
                         break
                     now_ms = _ms(self._clock.time())
-                moved.update(await self._claim_batch(ready[start : start + _CLAIM_BATCH], now_ms))
+                claiming.append(self._claim_ahead(batch, now_ms))
+            while claiming:
+                moved.update(await claiming.popleft())
         finally:
-            if self._sweeping:  # (the ends that waited for the sweep to be over)
-                self.runner.write_ends()
+            for left in claiming:  # (left by a fault: what they won starts all the same)
+                left.add_done_callback(lambda done: done.cancelled() or done.exception())
+            self.runner.write_ends()  # (the ends that waited for the sweep to be over)
             self._sweeping = False
         return moved
+
+    def _claim_ahead(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> asyncio.Future[dict[str, int]]:
+        """A sweep's batch claimed on the store's thread; what it won starts as the answer comes
+        (whether or not the sweep still waits for it: a stop, a fault of an earlier batch); the
+        future has what had moved."""
+        due = [_due(job, row.last_slot, now_ms) for job, row in batch]
+        done: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
+
+        def answered(claims: list[_Claimed] | None, exc: BaseException | None) -> None:
+            moved = None
+            if exc is None:
+                assert claims is not None
+                try:
+                    moved = self._won(batch, due, claims)
+                except Exception as fault:  # noqa: BLE001 - (a bug: the sweep's look fails with it)
+                    exc = fault
+            _fill(done, moved, exc)
+
+        self._link.submit(lambda s: s.claim_due_many(self.instance, now_ms, due), answered)
+        return done
 
     async def _claim_batch(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
         """One transaction of ``_fire``: write the ends waiting for it, claim, start what was won,
         return what had moved."""
         due = [_due(job, row.last_slot, now_ms) for job, row in batch]
-        ending = [] if self._sweeping else self.runner.take_ends()
+        ending = self.runner.take_ends()
         if ending:
             claims = await self._end_and_claim(ending, due, now_ms)
         else:
             claims = await self._link.call(
                 lambda s: s.claim_due_many(self.instance, now_ms, due), soon=len(due) <= _ON_THE_LOOP
             )
+        return self._won(batch, due, claims)
+
+    def _won(self, batch: list[tuple[_Job, _JobRow]], due: list[_Due], claims: list[_Claimed]) -> dict[str, int]:
+        """Start the attempts that the claims of ``due`` won, tell what was missed or skipped; return
+        the watermarks found moved, by job."""
         moved = {}
         written = []  # (the rows as this process moved them: the next look need not read them first)
         for (job, row), item, claim in zip(batch, due, claims):
@@ -9690,7 +9732,7 @@ class Scheduler(_Declaring):
         them, and hand their runs over to the next process (another live one takes them at once)."""
         self._loop.runner.grace = parse_duration(grace, option="grace")
         self._loop.stopping = True
-        self._loop.runner.abort(lambda _job: Shutdown(f"{self.instance} is stopping"))
+        self._loop.runner.stop(lambda _job: Shutdown(f"{self.instance} is stopping"))
         self._loop.poke()
         main = self._main
         if main is not None and main is not asyncio.current_task():

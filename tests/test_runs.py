@@ -455,6 +455,76 @@ def test_the_ends_of_a_sweeps_runs_wait_until_its_claims_are_made(db, clock, mon
     run(main())
 
 
+def test_a_sweep_has_its_next_batch_claimed_while_the_last_ones_attempts_start(db, clock):
+    """A sweep keeps two batches in flight: the store's thread claims the next while the loop
+    starts the attempts the last one won (batch after batch, the thread's time added to the loop's
+    in a burst of 10,000); every occurrence still runs once."""
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2 + 5)  # (5 s past a half hour)
+    names = {f"j{i}" for i in range(3 * anarchon_lite._CLAIM_BATCH)}
+    queued_behind, ran, made = [], [], []
+
+    def claiming(original, *args):  # (on the store's thread: the claim made, before its answer goes back)
+        claimed = original(*args)
+        if len(queued_behind) < 2:  # (the first two of three batches: the next is queued behind each)
+            calls = made[0]._link._thread._calls
+            deadline = time.monotonic() + 10
+            while not calls.qsize() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            queued_behind.append(calls.qsize() > 0)
+        return claimed
+
+    async def main():
+        s = make(db, clock, store=faulty(claim_due_many=claiming))
+        made.append(s)
+        for name in sorted(names):
+            s.every(name, "1h", lambda ctx: ran.append(ctx.job), offset="30m", lease="3h")
+        async with s:
+            clock.advance((clock.time() // HOUR + 1) * HOUR + HOUR / 2 - clock.time())  # (the half hour)
+            await wait_for(lambda: set(ran) == names, message="the sweep's runs")
+        assert sorted(ran) == sorted(names)
+        assert queued_behind == [True, True]
+
+    run(main())
+
+
+def test_an_attempt_won_by_a_claim_answered_after_the_stop_began_hands_its_run_over(db, clock):
+    """A claim in flight as the process begins to stop may win: its attempt is aborted at once,
+    like those already running (its run handed over to the next process), instead of running
+    unaborted until the stop gives up on it."""
+    aligned(clock, HOUR)
+    entered, free, told = threading.Event(), threading.Event(), []
+
+    def held(original, *args):
+        entered.set()
+        free.wait(30)  # (the claim in flight until the stop began)
+        return original(*args)
+
+    async def handler(ctx):
+        reason = await ctx.signal.wait()
+        told.append(type(reason).__name__)
+        raise reason
+
+    async def main():
+        a = make(db, clock, instance="a", store=faulty(claim_due_many=held, waitless=False))
+        a.every("job", "1h", handler)
+        async with a:
+            next_slot(clock, HOUR)
+            await wait_for(entered.is_set, message="a's claim in flight")
+            stopping = asyncio.ensure_future(a.stop(grace=HOUR))
+            await wait_for(lambda: a._loop.stopping, message="the stop begun")
+            free.set()
+            await stopping
+        assert told == ["Shutdown"]
+        b = make(db, clock, instance="b")
+        b.every("job", "1h", lambda ctx: None)
+        async with b:
+            await wait_for(lambda: has(b, "job", "succeeded"), message="the run, taken by b")
+        assert [(attempt, status) for _, attempt, status in await statuses(b, "job")][-1] == (2, "succeeded")
+
+    run(main())
+
+
 # How long a claim batch in progress on the store's thread may still take when the write of the
 # ends waiting is handed to it: 100 jobs a transaction at ~0.3 ms a job (``_CLAIM_BATCH``'s comment).
 _A_BATCH = 0.03
