@@ -8934,9 +8934,9 @@ class _Loop:
 
     async def _fire(self, ready: list[tuple[_Job, _JobRow]], now_ms: int) -> dict[str, int]:
         """Handle the due occurrences of these jobs after their watermarks (run, skip, catch up or
-        miss), ``_CLAIM_BATCH`` jobs a transaction; the attempts won start between them, and each
-        process begins at a place of its own in the list, so that processes finding thousands
-        due at once share them. Returns the watermarks that had moved, by job."""
+        miss), ``_CLAIM_BATCH`` jobs a transaction; the attempts each won start while the next is
+        claimed, and each process begins at a place of its own in the list, so that processes
+        finding thousands due at once share them. Returns the watermarks that had moved, by job."""
         if len(ready) <= _CLAIM_BATCH:
             return await self._claim_batch(ready, now_ms)
         ready = _from_own_place(ready, self.instance)
