@@ -8960,16 +8960,28 @@ class _Loop:
             while claiming:
                 moved.update(await claiming.popleft())
         finally:
-            for left in claiming:  # (left by a fault: what they won starts all the same)
-                left.add_done_callback(lambda done: done.cancelled() or done.exception())
+            if claiming:  # (left by a fault of an earlier batch: what they win starts before the look is over)
+                await self._wait_for_left(claiming)
             self.runner.write_ends()  # (the ends that waited for the sweep to be over)
             self._sweeping = False
         return moved
 
+    @staticmethod
+    async def _wait_for_left(claiming: Iterable[asyncio.Future[dict[str, int]]]) -> None:
+        """Wait for the answers of the batches a sweep's fault left in flight (their attempts are
+        started, so that a stop's drain, or the abort of a store opened again, finds them); log
+        their own faults that are not the store's (the store's is the sweep's, logged with it)."""
+        left = list(claiming)
+        await asyncio.wait(left)
+        for done in left:
+            fault = None if done.cancelled() else done.exception()
+            if fault is not None and not isinstance(fault, StoreError):
+                _log.error("claiming a batch of a sweep failed", exc_info=fault)
+
     def _claim_ahead(self, batch: list[tuple[_Job, _JobRow]], now_ms: int) -> asyncio.Future[dict[str, int]]:
         """A sweep's batch claimed on the store's thread; what it won starts as the answer comes
-        (whether or not the sweep still waits for it: a stop, a fault of an earlier batch); the
-        future has what had moved."""
+        (the sweep waits for every batch it asked for, ``_wait_for_left``); the future has what had
+        moved."""
         due = [_due(job, row.last_slot, now_ms) for job, row in batch]
         done: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
 

@@ -6,12 +6,13 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import os
 import sys
 import threading
 import time
 
 import pytest
-from conftest import QUIET, counting_looks, faulty, run, wait_for
+from conftest import QUIET, FaultyBackend, counting_looks, faulty, run, wait_for
 from schedulers import (
     HOUR,
     aligned,
@@ -521,6 +522,224 @@ def test_an_attempt_won_by_a_claim_answered_after_the_stop_began_hands_its_run_o
         async with b:
             await wait_for(lambda: has(b, "job", "succeeded"), message="the run, taken by b")
         assert [(attempt, status) for _, attempt, status in await statuses(b, "job")][-1] == (2, "succeeded")
+
+    run(main())
+
+
+def _sweep_hour(clock):
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2 + 5)  # (5 s past a half hour)
+
+
+def _to_the_half_hour(clock):
+    clock.advance((clock.time() // HOUR + 1) * HOUR + HOUR / 2 - clock.time())
+
+
+def _sweeps_waiting_for_what_they_left(monkeypatch, event):
+    """Set ``event`` (as well) when a sweep waits for the batches a fault left in flight."""
+    original = anarchon_lite._Loop._wait_for_left
+
+    async def waiting(claiming):
+        waited = asyncio.ensure_future(original(claiming))
+        await asyncio.sleep(0)  # (its first step: it waits, for batches held on the store's thread)
+        if not waited.done():
+            event.set()
+        await waited
+
+    monkeypatch.setattr(anarchon_lite._Loop, "_wait_for_left", staticmethod(waiting))
+
+
+def test_a_batch_in_flight_when_the_sweep_fails_during_a_stop_starts_no_attempt_after_the_drain(db, clock, monkeypatch):
+    """A stop begins while a sweep's first batch is on the store's thread, the second queued behind
+    it; the first fails (a store error: "database is locked"). The sweep waits for the second before
+    its look is over: its attempts start before the drain, which waits for them (aborted by the stop,
+    they hand their runs over), and their ends are written before the process leaves. (Left in
+    flight, its 100 attempts started after the drain, their ends written after the leave if at all:
+    with the event loop ended when ``stop()`` returned, their runs stayed 'running' until their
+    leases ran out. Found by a review.)"""
+    _sweep_hour(clock)
+    entered, free, draining, claimed = (threading.Event() for _ in range(4))
+    _sweeps_waiting_for_what_they_left(monkeypatch, draining)
+    claims, order = [], []
+
+    def claiming(original, owner, now_ms, due):
+        claims.append(len(due))
+        if len(claims) == 1 and len(due) > 1:  # (the sweep's first batch: held until the stop began, then fails)
+            entered.set()
+            free.wait(30)
+            raise StoreError("jobs.db", "database is locked")
+        if len(claims) == 2:  # (the second, queued behind it: made once the sweep or the drain waits)
+            draining.wait(30)
+        try:
+            return original(owner, now_ms, due)
+        finally:
+            claimed.set()
+
+    def ending(original, owner, ends):
+        try:
+            written = original(owner, ends)
+        except BaseException as exc:
+            order.append(("ends failed", f"{exc}"[-60:]))
+            raise
+        order.append(("ends", len(ends)))
+        return written
+
+    def leaving(original, *args):
+        order.append(("leave",))
+        return original(*args)
+
+    def closing(original):  # (the watch closed once the second batch is claimed: its answer comes after)
+        if len(claims) >= 2:
+            claimed.wait(30)
+        return original()
+
+    async def handler(ctx):
+        raise await ctx.signal.wait()
+
+    around = {"claim_due_many": claiming, "finish_many": ending, "leave": leaving, "waitless": False}
+
+    async def main():
+        a = make(db, clock, instance="a", store=lambda backend: FaultyBackend(backend, around, {"close": closing}))
+        for i in range(2 * anarchon_lite._CLAIM_BATCH + 10):
+            a.every(f"j{i}", "1h", handler, offset="30m", lease="3h")
+        runner = a._loop.runner
+        drain = runner.drain
+
+        async def drained():
+            draining.set()
+            await drain()
+
+        runner.drain = drained
+        try:
+            async with a:
+                _to_the_half_hour(clock)
+                await wait_for(entered.is_set, message="the sweep's first batch on the store's thread")
+                stopping = asyncio.ensure_future(a.stop(grace=HOUR))
+                await wait_for(lambda: a._loop.stopping, message="the stop begun")
+                free.set()
+                await stopping
+                left = (len(runner.calls), len(runner.running))
+        finally:
+            free.set(), draining.set(), claimed.set()
+        return left  # (the loop ends here, as a program's does once its scheduler stopped)
+
+    left = run(main())
+
+    async def check():
+        return {status for _, _, status in await statuses(make(db, clock, instance="a"))}
+
+    found = run(check())
+    # What a stop promises: every attempt started was settled, its end written before the leave.
+    after_leave = order[order.index(("leave",)) + 1 :]
+    assert (left, after_leave, found - {"interrupted"}) == ((0, 0), [], set()), (claims, left, order, found)
+
+
+def test_a_fault_of_a_batch_left_in_flight_by_an_earlier_ones_is_logged(db, clock, caplog):
+    """A sweep's first batch fails with the store's fault, the second, in flight behind it, with one
+    that is not the store's (a bug): both are logged. (Left in flight, the second's fault was taken
+    from its future and said nowhere. Found by a review.)"""
+    _sweep_hour(clock)
+    claims = []
+
+    def claiming(original, owner, now_ms, due):
+        claims.append(len(due))
+        if len(claims) == 1 and len(due) > 1:
+            raise StoreError("jobs.db", "database is locked")
+        if len(claims) == 2:
+            raise RuntimeError("a bug in the second batch")
+        return original(owner, now_ms, due)
+
+    async def main():
+        a = make(db, clock, instance="a", store=faulty(claim_due_many=claiming, waitless=False))
+        for i in range(2 * anarchon_lite._CLAIM_BATCH + 10):
+            a.every(f"j{i}", "1h", lambda ctx: None, offset="30m", lease="3h")
+        with caplog.at_level(logging.WARNING, logger="anarchon_lite"):
+            async with a:
+                _to_the_half_hour(clock)
+                await wait_for(lambda: len(claims) >= 3, message="the look after the failed sweep")
+                await wait_for(lambda: has_all(a), message="the sweep, made again")
+
+    async def has_all(a):
+        return len({r.job for r in await a.history(limit=5000) if r.status == "succeeded"}) == 210
+
+    run(main())
+    assert claims[:2] == [100, 100], claims
+    said = "\n".join(record.getMessage() + (record.exc_text or "") for record in caplog.records)
+    assert "database is locked" in said
+    assert "a bug in the second batch" in said, said[-2000:]
+
+
+@pytest.mark.sqlite_only  # (the file deleted under the process: a lost lock session on PostgreSQL fails the claims)
+def test_an_attempt_won_by_a_batch_answered_as_the_store_is_reopened_is_aborted(db, clock, monkeypatch):
+    """A sweep's first batch fails (a store error) while the file is deleted; the second, in flight
+    behind it, is answered before the look is over, so that the store opened again (``_reopen``:
+    ``runner.lose``) finds its attempts running and aborts them. (Left in flight, it was answered
+    as the next look reopened the store, after ``lose``: its attempts, of runs claimed in the file
+    deleted, ran on unaborted. Found by a review.)"""
+    _sweep_hour(clock)
+    entered, free, losing = threading.Event(), threading.Event(), threading.Event()
+    _sweeps_waiting_for_what_they_left(monkeypatch, losing)
+    claims, told, starts = [], {}, []
+
+    def claiming(original, owner, now_ms, due):
+        claims.append(len(due))
+        if len(claims) == 1 and len(due) > 1:
+            entered.set()
+            free.wait(30)
+            raise StoreError("jobs.db", "database is locked")
+        if len(claims) == 2:  # (behind it: made once the sweep or the reopening waits)
+            losing.wait(30)
+        return original(owner, now_ms, due)
+
+    async def handler(ctx):
+        told.setdefault((ctx.job, ctx.slot), None)
+        starts.append((ctx.job, ctx.slot))
+        reason = await ctx.signal.wait()
+        told[(ctx.job, ctx.slot)] = type(reason).__name__
+        raise reason
+
+    async def main():
+        a = make(db, clock, instance="a", store=faulty(claim_due_many=claiming, waitless=False))
+        for i in range(2 * anarchon_lite._CLAIM_BATCH + 10):
+            a.every(f"j{i}", "1h", handler, offset="30m", lease="3h")
+        runner = a._loop.runner
+        lose = runner.lose
+
+        def lost(why):
+            lose(why)
+            losing.set()
+
+        runner.lose = lost
+        try:
+            async with a:
+                _to_the_half_hour(clock)
+                await wait_for(entered.is_set, message="the sweep's first batch on the store's thread")
+                os.unlink(db)
+                watch = a._loop._watch  # (the next look compares the files: their last comparison old enough)
+                await wait_for(
+                    lambda: time.monotonic() > watch._compared + watch._LOST_EVERY, message="a comparison due"
+                )
+                free.set()
+                await wait_for(losing.is_set, message="the store reopened")
+                loop_ = a._loop  # (a look on the new file: the agenda, forgotten by ``_reopen``, read again)
+                await wait_for(
+                    lambda: loop_._agenda is not None and loop_._failing is None, message="a look on the new file"
+                )
+
+                async def accounted():  # (each attempt running has its run in the store as the process has it now)
+                    runs = {(r.job, r.slot) for r in await a.history(limit=5000)}
+                    return all(reason is not None or run in runs for run, reason in told.items())
+
+                try:
+                    await wait_for(accounted, timeout=5, message="every attempt running, of a run in the store")
+                except AssertionError as exc:
+                    runs = {(r.job, r.slot) for r in await a.history(limit=5000)}
+                    ghosts = sum(1 for run, reason in told.items() if reason is None and run not in runs)
+                    raise AssertionError(
+                        f"{exc}: {ghosts} attempts running unaborted of runs not in the store"
+                    ) from None
+        finally:
+            free.set(), losing.set()
 
     run(main())
 
