@@ -456,12 +456,38 @@ def test_the_ends_of_a_sweeps_runs_wait_until_its_claims_are_made(db, clock, mon
     run(main())
 
 
+def _sweep_hour(clock):
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2 + 5)  # (5 s past a half hour)
+
+
+def _to_the_half_hour(clock):
+    clock.advance((clock.time() // HOUR + 1) * HOUR + HOUR / 2 - clock.time())
+
+
+def _first_batch_held_then_failing(claims, entered, free, second):
+    """A ``claim_due_many`` wrapper noting each batch's size in ``claims``: the sweep's first batch
+    is held (``entered`` set) until ``free``, then fails with the store's fault; the second, queued
+    behind it, is held until ``second``."""
+
+    def claiming(original, owner, now_ms, due):
+        claims.append(len(due))
+        if len(claims) == 1 and len(due) > 1:
+            entered.set()
+            free.wait(30)
+            raise StoreError("jobs.db", "database is locked")
+        if len(claims) == 2:
+            second.wait(30)
+        return original(owner, now_ms, due)
+
+    return claiming
+
+
 def test_a_sweep_has_its_next_batch_claimed_while_the_last_ones_attempts_start(db, clock):
     """A sweep keeps two batches in flight: the store's thread claims the next while the loop
     starts the attempts the last one won (batch after batch, the thread's time added to the loop's
     in a burst of 10,000); every occurrence still runs once."""
-    aligned(clock, HOUR)
-    clock.advance(-HOUR / 2 + 5)  # (5 s past a half hour)
+    _sweep_hour(clock)
     names = {f"j{i}" for i in range(3 * anarchon_lite._CLAIM_BATCH)}
     queued_behind, ran, made = [], [], []
 
@@ -481,7 +507,7 @@ def test_a_sweep_has_its_next_batch_claimed_while_the_last_ones_attempts_start(d
         for name in sorted(names):
             s.every(name, "1h", lambda ctx: ran.append(ctx.job), offset="30m", lease="3h")
         async with s:
-            clock.advance((clock.time() // HOUR + 1) * HOUR + HOUR / 2 - clock.time())  # (the half hour)
+            _to_the_half_hour(clock)
             await wait_for(lambda: set(ran) == names, message="the sweep's runs")
         assert sorted(ran) == sorted(names)
         assert queued_behind == [True, True]
@@ -526,15 +552,6 @@ def test_an_attempt_won_by_a_claim_answered_after_the_stop_began_hands_its_run_o
     run(main())
 
 
-def _sweep_hour(clock):
-    aligned(clock, HOUR)
-    clock.advance(-HOUR / 2 + 5)  # (5 s past a half hour)
-
-
-def _to_the_half_hour(clock):
-    clock.advance((clock.time() // HOUR + 1) * HOUR + HOUR / 2 - clock.time())
-
-
 def _sweeps_waiting_for_what_they_left(monkeypatch, event):
     """Set ``event`` (as well) when a sweep waits for the batches a fault left in flight."""
     original = anarchon_lite._Loop._wait_for_left
@@ -562,18 +579,15 @@ def test_a_batch_in_flight_when_the_sweep_fails_during_a_stop_starts_no_attempt_
     _sweeps_waiting_for_what_they_left(monkeypatch, draining)
     claims, order = [], []
 
-    def claiming(original, owner, now_ms, due):
-        claims.append(len(due))
-        if len(claims) == 1 and len(due) > 1:  # (the sweep's first batch: held until the stop began, then fails)
-            entered.set()
-            free.wait(30)
-            raise StoreError("jobs.db", "database is locked")
-        if len(claims) == 2:  # (the second, queued behind it: made once the sweep or the drain waits)
-            draining.wait(30)
+    # (the first batch held until the stop began; the second made once the sweep or the drain waits)
+    first = _first_batch_held_then_failing(claims, entered, free, draining)
+
+    def claiming(*args):
         try:
-            return original(owner, now_ms, due)
+            return first(*args)
         finally:
-            claimed.set()
+            if len(claims) >= 2:
+                claimed.set()
 
     def ending(original, owner, ends):
         try:
@@ -681,15 +695,8 @@ def test_an_attempt_won_by_a_batch_answered_as_the_store_is_reopened_is_aborted(
     _sweeps_waiting_for_what_they_left(monkeypatch, losing)
     claims, told, starts = [], {}, []
 
-    def claiming(original, owner, now_ms, due):
-        claims.append(len(due))
-        if len(claims) == 1 and len(due) > 1:
-            entered.set()
-            free.wait(30)
-            raise StoreError("jobs.db", "database is locked")
-        if len(claims) == 2:  # (behind it: made once the sweep or the reopening waits)
-            losing.wait(30)
-        return original(owner, now_ms, due)
+    # (the second batch made once the sweep or the reopening waits)
+    claiming = _first_batch_held_then_failing(claims, entered, free, losing)
 
     async def handler(ctx):
         told.setdefault((ctx.job, ctx.slot), None)
