@@ -361,3 +361,34 @@ def test_a_first_look_that_misses_a_process_in_the_middle_of_exec_still_ends_the
         if child.poll() is None:
             child.kill()
         child.wait()
+
+
+# (SQLite only: pids and pidfds; PostgreSQL judges its processes by the server's locks)
+def test_a_peer_judged_alive_is_judged_again_without_reading_proc_and_seen_gone_as_a_zombie(tmp_path, monkeypatch):
+    """Every process reads who runs every couple of seconds and judges each one listed: by
+    ``/proc/PID/stat`` the first time, by the pidfd it then holds after (with 16 processes, the
+    ``/proc`` reads took a tenth of the CPU). A peer killed and not yet reaped, a zombie, is gone;
+    its pidfd is let go."""
+    db = str(tmp_path / "jobs.db")
+    mine, theirs = al._SQLiteStore(db), al._SQLiteStore(db)
+    proc = subprocess.Popen([sys.executable, "-c", "input()"], stdin=subprocess.PIPE)
+    try:
+        state = al._process_start(proc.pid)
+        assert state is not None
+        theirs._me = al.dataclasses.replace(theirs._me, pid=proc.pid, start=state[1])
+        theirs.join("peer", 1000, [])
+        mine.join("me", 1000, [])
+        assert [p.instance for p in mine.processes()] == ["me", "peer"]
+        read = []
+        judged = al._process_start
+        monkeypatch.setattr(al, "_process_start", lambda pid: read.append(pid) or judged(pid))
+        assert [p.instance for p in mine.processes()] == ["me", "peer"] and read == []
+        os.kill(proc.pid, signal.SIGKILL)  # (not reaped until the end: a zombie meanwhile)
+        wait_until(lambda: (judged(proc.pid) or ("Z",))[0] == "Z", what="a zombie")
+        assert [p.instance for p in mine.processes()] == ["me"] and read == [proc.pid]
+        assert mine._alive._held == {}
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        mine.close()
+        theirs.close()
