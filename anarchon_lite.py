@@ -1997,7 +1997,7 @@ class _Alive:
     judges them all. Where no pidfd is to be had (another system, a process of another namespace,
     more than ``_MOST`` held), ``/proc`` judges each time."""
 
-    _MOST = 256
+    _MOST = 64  # (pidfds a store holds at most: beside each other store of the process, and its own files)
 
     def __init__(self) -> None:
         self._held: dict[_Owner, int] = {}  # (by the whole owner: an instance joined again is another)
