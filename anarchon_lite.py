@@ -1995,7 +1995,7 @@ class _Alive:
     ``_PEERS_EVERY`` and judges each one listed: with 16 processes, reading ``/proc/PID/stat`` of
     each was half of the 0.8 ms of CPU that reading who runs took; one ``poll`` of the pidfds
     judges them all. Where no pidfd is to be had (another system, a process of another namespace,
-    more than ``_MOST`` held), ``/proc`` judges each time."""
+    ``_MOST`` held already), ``/proc`` judges each time."""
 
     _MOST = 64  # (pidfds a store holds at most: beside each other store of the process, and its own files)
 
@@ -2004,39 +2004,45 @@ class _Alive:
 
     def gone(self, owners: Sequence[_Owner], me: _Owner) -> list[str | None]:
         """Why each of ``owners`` no longer exists, or None when it may be alive."""
-        ended: set[int] = set()
-        if self._held and any(owner in self._held for owner in owners):
-            poller = select.poll()
-            for fd in self._held.values():
-                poller.register(fd, select.POLLIN)
-            ended = {fd for fd, _ in poller.poll(0)}
+        ended = self._ended() if any(owner in self._held for owner in owners) else set()
+        this, room = (me.pid, me.start, me.namespace, me.boot_id), None
         why: list[str | None] = []
-        this = (me.pid, me.start, me.namespace, me.boot_id)
         for owner in owners:
-            held = self._held.get(owner)
-            if (held is not None and held not in ended) or (
-                owner.pid,
-                owner.start,
-                owner.namespace,
-                owner.boot_id,
-            ) == this:
-                why.append(None)  # (held and not ended, or this process)
-                continue
-            if held is not None:
-                self._drop(owner)
-            gone = _owner_gone(owner, me)
-            if gone is None:
-                self._hold(owner, me)
-            why.append(gone)
+            if (owner.pid, owner.start, owner.namespace, owner.boot_id) == this:
+                why.append(None)  # (this process)
+            elif owner in ended:  # (its pidfd says so: a pid taken again within a tick of the start fools /proc)
+                why.append(f"owner process {owner.pid} exited")
+            elif owner in self._held:
+                why.append(None)
+            else:
+                gone = _owner_gone(owner, me)
+                if gone is None and (len(self._held) < self._MOST or (room is None and (room := self._let_go()))):
+                    self._hold(owner, me)
+                why.append(gone)
         return why
+
+    def _ended(self) -> set[_Owner]:
+        """Those held whose processes ended (let go of)."""
+        poller = select.poll()
+        for fd in self._held.values():
+            poller.register(fd, select.POLLIN)
+        ready = dict(poller.poll(0))
+        ended = {owner for owner, fd in self._held.items() if fd in ready}
+        for owner in ended:
+            fd = self._held.pop(owner)
+            if not ready[fd] & select.POLLNVAL:  # (closed by someone else: the number may be another's now)
+                os.close(fd)
+        return ended
+
+    def _let_go(self) -> bool:
+        """Let go of those held whose processes ended (once a judgement, when ``_MOST`` are held);
+        whether there is room now."""
+        self._ended()
+        return len(self._held) < self._MOST
 
     def _hold(self, owner: _Owner, me: _Owner) -> None:
         if owner.start is None or not _judged_by_pid(owner, me):
             return
-        if len(self._held) >= self._MOST:  # (those that ended go first; else /proc judges this one)
-            self.gone(list(self._held), me)
-            if len(self._held) >= self._MOST:
-                return
         try:
             fd = os.pidfd_open(owner.pid)  # type: ignore[attr-defined,unused-ignore]
         except (AttributeError, OSError):
@@ -2051,10 +2057,7 @@ class _Alive:
         """Let go of the processes held that are not among ``owners`` (no longer listed)."""
         listed = set(owners)
         for owner in [owner for owner in self._held if owner not in listed]:
-            self._drop(owner)
-
-    def _drop(self, owner: _Owner) -> None:
-        os.close(self._held.pop(owner))
+            os.close(self._held.pop(owner))
 
     def close(self) -> None:
         self.keep(())
@@ -4269,8 +4272,10 @@ class _SQLiteStore(_SQLiteFile):
         return None if run.owner_pid is None else self._alive.gone([run.holder()], self._me)[0]
 
     def close(self) -> None:
-        super().close()
-        self._alive.close()
+        try:
+            super().close()
+        finally:
+            self._alive.close()
 
     def leave(self, instance: str) -> None:
         self._write(lambda conn: (conn.execute(_SQL_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
