@@ -369,13 +369,7 @@ def test_a_peer_judged_alive_is_judged_again_without_reading_proc_and_seen_gone_
     ``/proc/PID/stat`` the first time, by the pidfd it then holds after (with 16 processes, the
     ``/proc`` reads took a tenth of the CPU). A peer killed and not yet reaped, a zombie, is gone
     by its pidfd; which is let go."""
-    db = str(tmp_path / "jobs.db")
-    mine, theirs = al._SQLiteStore(db), al._SQLiteStore(db)
-    proc = subprocess.Popen([sys.executable, "-c", "input()"], stdin=subprocess.PIPE)
-    try:
-        _joined_as(theirs, proc, "peer")
-        mine.join("me", 1000, [])
-        assert [p.instance for p in mine.processes()] == ["me", "peer"]
+    with _a_peer_listed(tmp_path) as (mine, proc):
         read = []
         judged = al._process_start
         monkeypatch.setattr(al, "_process_start", lambda pid: read.append(pid) or judged(pid))
@@ -384,6 +378,20 @@ def test_a_peer_judged_alive_is_judged_again_without_reading_proc_and_seen_gone_
         wait_until(lambda: (judged(proc.pid) or ("Z",))[0] == "Z", what="a zombie")
         assert [p.instance for p in mine.processes()] == ["me"] and read == []  # (its pidfd said so)
         assert mine._alive._held == {}
+
+
+@contextlib.contextmanager
+def _a_peer_listed(tmp_path):
+    """A store of this process joined as ``me``, and a process of its own joined as ``peer``,
+    judged alive once; gives the store and the process (killed and reaped after)."""
+    db = str(tmp_path / "jobs.db")
+    mine, theirs = al._SQLiteStore(db), al._SQLiteStore(db)
+    proc = subprocess.Popen([sys.executable, "-c", "input()"], stdin=subprocess.PIPE)
+    try:
+        _joined_as(theirs, proc, "peer")
+        mine.join("me", 1000, [])
+        assert [p.instance for p in mine.processes()] == ["me", "peer"]
+        yield mine, proc
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -404,23 +412,12 @@ def test_a_peer_whose_pidfd_says_it_ended_is_gone_whatever_proc_says(tmp_path, m
     """A held pidfd that turns readable proves that its process ended; ``/proc`` asked again
     could be fooled by a pid taken again within a tick of the start time it knew (a review's
     finding, forced there with ``ns_last_pid``; here ``/proc`` is made to say so)."""
-    db = str(tmp_path / "jobs.db")
-    mine, theirs = al._SQLiteStore(db), al._SQLiteStore(db)
-    proc = subprocess.Popen([sys.executable, "-c", "input()"], stdin=subprocess.PIPE)
-    try:
-        _joined_as(theirs, proc, "peer")
-        mine.join("me", 1000, [])
-        assert [p.instance for p in mine.processes()] == ["me", "peer"]
+    with _a_peer_listed(tmp_path) as (mine, proc):
         state = al._process_start(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)  # (reaped: its pid free to be taken)
         monkeypatch.setattr(al, "_process_start", lambda pid: state if pid == proc.pid else None)
         assert [p.instance for p in mine.processes()] == ["me"]
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        mine.close()
-        theirs.close()
 
 
 # (SQLite only: pids and pidfds)
