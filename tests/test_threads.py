@@ -41,25 +41,32 @@ def test_short_runs_one_after_another_share_one_watchdog_timer():
     """The blocked-loop watchdog plans a tick when a handler starts and lets it run out after the
     last ends: 100 short runs one after another plan one tick (each run planned one and cancelled
     it, waking the timer thread twice a run); the tick finding nothing running plans no other, and
-    the next run plans one again. (No store: the watchdog alone, with a timer thread stand-in.)"""
+    the next run plans one again. The loop sends the first ping itself, so the tick comes a whole
+    threshold later (it came a quarter of it later, and a process running a short run now and then
+    woke the timer thread twice for each). (No store: the watchdog alone, with a timer thread
+    stand-in.)"""
     planned = []
 
     class Timers:
         def call_at(self, deadline, callback):
-            planned.append(callback)
+            planned.append((deadline, callback))
             return lambda: None
 
-    loop = asyncio.new_event_loop()
+    loop, clock = asyncio.new_event_loop(), al.Clock()
     try:
-        watchdog = al._Watchdog(loop, Timers(), al.Clock(), 1.0, str)
+        watchdog = al._Watchdog(loop, Timers(), clock, 1.0, str)
         for _ in range(100):
             watchdog.acquire()
             watchdog.release()
-        assert len(planned) == 1
-        planned.pop()()  # the tick: nothing runs
+        assert len(planned) == 1 and planned[0][0] - clock.monotonic() > 0.5
+        planned.pop()[1]()  # the tick: nothing runs
         assert planned == []
         watchdog.acquire()
-        assert len(planned) == 1
+        assert len(planned) == 1 and watchdog._sent is not None  # (the loop's own ping, not yet answered)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert watchdog._sent is None
+        planned.pop()[1]()  # the tick: a handler runs, the ping was answered: a ping, and every quarter
+        assert len(planned) == 1 and planned[0][0] - clock.monotonic() < 0.5
         watchdog.release()
     finally:
         loop.close()
