@@ -6234,8 +6234,9 @@ class _Watchdog:
     A timer thread posts a ping to the loop; a ping unanswered past the threshold means the loop is
     blocked, unless the timer thread itself woke that late (the whole process was frozen or
     suspended), in which case nothing is reported. The loop sends the first ping itself as a
-    handler starts (it is running then), and the timer is planned a whole threshold later, to see
-    it answered: it is left to run out when the last handler ends (it then plans no other), so
+    handler starts (it is running then), answered after the handler's first step, and the timer
+    is planned a whole threshold later, to see it answered: it is left to run out when the last
+    handler ends (it then plans no other), so
     short runs starting within a threshold of each other share one timer. (Planned a quarter of
     the threshold later, it woke its thread twice for each short run of a process that runs one
     now and then: at 16 processes, most of the other threads' 2.5 wake-ups an occurrence.) While
@@ -6263,14 +6264,19 @@ class _Watchdog:
         self.warnings = 0
 
     def acquire(self) -> None:
-        """A handler starts (on the loop's thread)."""
+        """A handler starts (on the loop's thread); ``ping`` once its first step is on its way."""
         with self._lock:
             self._active += 1
-            if self._sent is None:  # (the loop's own ping: a handler that blocks it from its start goes unanswered)
-                self._sent = self._clock.monotonic()
-                self._loop.call_soon(self._pong)
             if not self._pending:
                 self._schedule(self._threshold)
+
+    def ping(self) -> None:
+        """The loop's own ping (on its thread), answered after what it has to do now: a handler
+        whose first step blocks the loop leaves it unanswered."""
+        with self._lock:
+            if self._sent is None and self._active:
+                self._sent = self._clock.monotonic()
+                self._loop.call_soon(self._pong)
 
     def release(self) -> None:
         with self._lock:
@@ -7565,6 +7571,7 @@ class _Runner:
         attempt.started = self._clock.monotonic()
         self._events.tell(logging.INFO, "started", claim.job, claim.slot, claim.attempt, "started", status="running")
         work, driven = self._call_handler(attempt)
+        self._watchdog.ping()  # (after the handler's first step: a step that blocks the loop is told)
         call = _Call(attempt, work, driven)
         if job.options.timeout is not None:
             call.cancel_timeout = self._time_out(attempt, job.options.timeout)
