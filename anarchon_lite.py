@@ -6236,11 +6236,11 @@ class _Watchdog:
     suspended), in which case nothing is reported. The loop sends the first ping itself as a
     handler starts (it is running then), answered after the handler's first step, and the timer
     is planned a whole threshold later, to see it answered: it is left to run out when the last
-    handler ends (it then plans no other), so
-    short runs starting within a threshold of each other share one timer. (Planned a quarter of
-    the threshold later, it woke its thread twice for each short run of a process that runs one
-    now and then: at 16 processes, most of the other threads' 2.5 wake-ups an occurrence.) While
-    handlers run, it looks every quarter of the threshold.
+    handler ends (it then plans no other), so short runs starting within a threshold of each other
+    share one timer. (Planned a quarter of the threshold later, it woke its thread twice for each
+    short run of a process that runs one now and then: at 16 processes, most of the other
+    threads' 2.5 wake-ups an occurrence.) While handlers run, it looks every quarter of the
+    threshold.
     """
 
     def __init__(
