@@ -2004,8 +2004,10 @@ class _Alive:
 
     def gone(self, owners: Sequence[_Owner], me: _Owner) -> list[str | None]:
         """Why each of ``owners`` no longer exists, or None when it may be alive."""
-        ended = self._ended() if any(owner in self._held for owner in owners) else set()
-        this, room = (me.pid, me.start, me.namespace, me.boot_id), None
+        # (one poll of them all: when one of these is held, or when all are held, to make room)
+        full = len(self._held) >= self._MOST
+        ended = self._ended() if full or any(owner in self._held for owner in owners) else set()
+        this = (me.pid, me.start, me.namespace, me.boot_id)
         why: list[str | None] = []
         for owner in owners:
             if (owner.pid, owner.start, owner.namespace, owner.boot_id) == this:
@@ -2016,7 +2018,7 @@ class _Alive:
                 why.append(None)
             else:
                 gone = _owner_gone(owner, me)
-                if gone is None and (len(self._held) < self._MOST or (room is None and (room := self._let_go()))):
+                if gone is None and len(self._held) < self._MOST:
                     self._hold(owner, me)
                 why.append(gone)
         return why
@@ -2033,12 +2035,6 @@ class _Alive:
             if not ready[fd] & select.POLLNVAL:  # (closed by someone else: the number may be another's now)
                 os.close(fd)
         return ended
-
-    def _let_go(self) -> bool:
-        """Let go of those held whose processes ended (once a judgement, when ``_MOST`` are held);
-        whether there is room now."""
-        self._ended()
-        return len(self._held) < self._MOST
 
     def _hold(self, owner: _Owner, me: _Owner) -> None:
         if owner.start is None or not _judged_by_pid(owner, me):
