@@ -2493,16 +2493,22 @@ _SQL_PRUNE_CHECKPOINTS = (
     "AND r.slot = checkpoints.slot) AND NOT EXISTS (SELECT 1 FROM history h WHERE h.job = checkpoints.job "
     "AND h.slot = checkpoints.slot)"
 )
-_SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot; held is 1 when no attempt is given
-    f"SELECT CAST(:attempt AS BIGINT) IS NULL OR EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE}), "
-    "(SELECT value FROM checkpoints WHERE job = :job AND slot = :slot)"
+# Whether the attempt of ``_held_by`` holds its run (true when no attempt is given); ``{lock}``: how
+# the run is read (each store's ``_SQL_CHECKPOINT_SET``).
+_SQL_HELD_OR_FREE = f"(CAST(:attempt AS BIGINT) IS NULL OR EXISTS (SELECT 1 FROM runs WHERE {_SQL_FENCE}{{lock}}))"
+_SQL_CHECKPOINT_GET = (  # (held, value) in one snapshot
+    f"SELECT {_SQL_HELD_OR_FREE.format(lock='')}, (SELECT value FROM checkpoints WHERE job = :job AND slot = :slot)"
 )
+# A checkpoint is written or deleted in one statement, its own transaction, fenced in its WHERE: no
+# write of it is ever left open while its process waits (a PostgreSQL writer cut off in the middle of
+# a transaction holds the others up, _PG_OPEN_WRITE), and it never waits for the writers' turn.
 _SQL_CHECKPOINT_SET = (
-    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) VALUES (:job, :slot, :value, :now_ms, :attempt) "
-    "ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at, "
-    "attempt = excluded.attempt"
+    "INSERT INTO checkpoints (job, slot, value, updated_at, attempt) SELECT :job, :slot, :value, :now_ms, "
+    "CAST(:attempt AS BIGINT) "
+    f"WHERE {_SQL_HELD_OR_FREE} ON CONFLICT (job, slot) DO UPDATE SET value = excluded.value, "
+    "updated_at = excluded.updated_at, attempt = excluded.attempt"
 )
-_SQL_CHECKPOINT_DELETE = "DELETE FROM checkpoints WHERE job = ? AND slot = ?"
+_SQL_CHECKPOINT_DELETE = f"DELETE FROM checkpoints WHERE job = :job AND slot = :slot AND {_SQL_HELD_OR_FREE}"
 
 
 # The tables, written once for both stores: ``_dialect`` renders them, ``{ms}`` being the type of a
@@ -2699,6 +2705,10 @@ class _SQLStore(_Store):
     schema = SCHEMA_VERSION  # the connected schema's version (older only when opened read-only)
     _SQL_FINISH_ATTEMPT = ""  # as _SQL_END_ATTEMPT, and the record becomes the job's newest (a new id)
     _renewal = staticmethod(_renewal)  # the statement that renews leases (PostgreSQL has its own)
+    # A checkpoint's write reads the run that fences it as it is: SQLite's write lock holds every
+    # other writer off (PostgreSQL locks the run).
+    _SQL_CHECKPOINT_SET = _SQL_CHECKPOINT_SET.format(lock="")
+    _SQL_CHECKPOINT_DELETE = _SQL_CHECKPOINT_DELETE.format(lock="")
 
     def __init__(self) -> None:
         self._ends: dict[str, int] = {}  # records each job's ends wrote since its history was looked at (_prune_due)
@@ -3153,18 +3163,16 @@ class _SQLStore(_Store):
     def checkpoint_write(
         self, job: str, slot: int, value: str | None, now_ms: int, fence: tuple[int, str] | None
     ) -> bool:
-        def work(conn: Any) -> bool:
-            if fence is not None and not conn.execute(_SQL_IS_HELD, _held_by(job, slot, *fence)).fetchall():
-                return False
-            if value is None:
-                conn.execute(_SQL_CHECKPOINT_DELETE, (job, slot))
-            else:
-                attempt = None if fence is None else fence[0]
-                checkpoint = {"job": job, "slot": slot, "value": value, "now_ms": now_ms, "attempt": attempt}
-                conn.execute(_SQL_CHECKPOINT_SET, checkpoint)
+        held = _held_by(job, slot, *(fence or (None, None)))
+        if value is not None:
+            return self._one_write(self._SQL_CHECKPOINT_SET, {**held, "value": value, "now_ms": now_ms}) == 1
+        if self._one_write(self._SQL_CHECKPOINT_DELETE, held):
             return True
+        return fence is None or bool(self._read(_SQL_IS_HELD, held))  # (held, with nothing to delete?)
 
-        return self._write(work, notify=False)
+    def _one_write(self, sql: str, args: Mapping[str, Any]) -> int:
+        """``_autocommit`` of a write that may be made again (PostgreSQL waits out a lost connection)."""
+        return self._autocommit(sql, args)
 
     def history(self, job: str | None, limit: int) -> list[RunRecord]:
         rows = self._read(_SQL_HISTORY, (limit,)) if job is None else self._read(_SQL_JOB_HISTORY, (job, limit))
@@ -5041,6 +5049,11 @@ class _PGStore(_SQLStore):
     _SQL_RUNS = _PG_RUNS
     _SQL_RUN_TO_TAKE = _PG_RUN_TO_TAKE
     _renewal = staticmethod(_pg_renewal)
+    # A checkpoint's write locks the run that fences it: a takeover or an end in flight is waited for
+    # and its commit seen (READ COMMITTED reads a locked row's newest version again before the write),
+    # and one that comes after waits for the write (a claim reads the run it takes FOR UPDATE).
+    _SQL_CHECKPOINT_SET = _SQL_CHECKPOINT_SET.format(lock=" FOR SHARE")
+    _SQL_CHECKPOINT_DELETE = _SQL_CHECKPOINT_DELETE.format(lock=" FOR SHARE")
 
     def __init__(
         self,
@@ -5211,6 +5224,9 @@ class _PGStore(_SQLStore):
                 raise self._error(exc) from None
             if exc.sqlstate == _PG_READ_ONLY:
                 _pause(0.1)  # (until a standby is promoted: never a spin)
+
+    def _one_write(self, sql: str, args: Mapping[str, Any]) -> int:
+        return self._reconnecting(lambda _: self._autocommit(sql, args))
 
     def maintain(self) -> None:
         """Nothing: the server does its own upkeep."""

@@ -985,6 +985,57 @@ def test_a_renewal_committed_while_a_takeover_reads_the_run_is_never_overridden(
         process.close()
 
 
+def test_a_checkpoint_write_never_waits_for_the_writers_turn(url):
+    """A checkpoint is written in one statement, fenced in its WHERE, outside the writers' turn: a
+    writer holding the turn (as one cut off in the middle of its transaction does, for up to
+    ``_PG_OPEN_WRITE``) does not hold it up. In a transaction of its own, behind the turn, it waited."""
+    from test_store import claim_due, declared
+
+    process = Process(url)
+    try:
+        store = declared(process.open())
+        claim = claim_due(store, "a")
+        holder = _Holder(url, al._PGTarget.parse(url).format(al._PG_TURN))
+        try:
+            written = in_thread(lambda: store.checkpoint_write("job", claim.slot, '"mine"', 0, (claim.attempt, "a")))
+            assert written() is True
+            assert store.checkpoint_write("job", claim.slot, None, 0, (claim.attempt, "a")) is True
+            assert store.checkpoint_write("job", claim.slot, None, 0, (claim.attempt, "a")) is True  # (nothing left)
+        finally:
+            holder.commit()
+    finally:
+        process.close()
+
+
+def test_a_checkpoint_write_meeting_a_takeover_in_flight_waits_for_it_and_is_refused(url):
+    """The run is being taken over (its row locked by the claim, not yet committed) when the old
+    attempt writes its checkpoint: the write waits for the takeover, reads the run again once it is
+    committed, and writes nothing. Read as it was when the statement began, the run was still held."""
+    from test_store import claim_due, declared
+
+    process = Process(url)
+    try:
+        store = declared(process.open())
+        claim = claim_due(store, "a")
+        store.checkpoint_write("job", claim.slot, '"before"', 0, (claim.attempt, "a"))
+        holder = _Holder(
+            url,
+            "UPDATE runs SET attempt = attempt + 1, owner = 'b' WHERE job = %s AND slot = %s",
+            (claim.job, claim.slot),
+        )
+        try:
+            written = in_thread(lambda: store.checkpoint_write("job", claim.slot, '"late"', 0, (claim.attempt, "a")))
+            run(wait_for(lambda: waiting_on_a_lock(url) == 1, message="the write waits for the run's row"))
+        finally:
+            holder.commit()
+        assert written() is False
+        assert store.checkpoint_get("job", claim.slot) == (True, '"before"')
+        deleted = store.checkpoint_write("job", claim.slot, None, 0, (claim.attempt, "a"))
+        assert deleted is False and store.checkpoint_get("job", claim.slot) == (True, '"before"')
+    finally:
+        process.close()
+
+
 def test_a_claim_that_finds_every_job_moved_tells_no_one(url):
     """Of the processes that claim a due job at once, all but one find its watermark moved: they
     wrote nothing and wake no other process. (Notifications arrive in commit order: the first one
