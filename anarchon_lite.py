@@ -1994,13 +1994,16 @@ class _Alive:
     a reused pid is another process with another pidfd. Every process reads who runs every
     ``_PEERS_EVERY`` and judges each one listed: with 16 processes, reading ``/proc/PID/stat`` of
     each was half of the 0.8 ms of CPU that reading who runs took; one ``poll`` of the pidfds
-    judges them all. Where no pidfd is to be had (another system, a process of another namespace,
-    ``_MOST`` held already), ``/proc`` judges each time."""
+    judges them all. A process is held from its second judgement on: a store opened for one call
+    (the command line) judges each once, and a pidfd would cost it more than it saves. Where no
+    pidfd is to be had (another system, a process of another namespace, ``_MOST`` held already),
+    ``/proc`` judges each time."""
 
     _MOST = 64  # (pidfds a store holds at most: beside each other store of the process, and its own files)
 
     def __init__(self) -> None:
         self._held: dict[_Owner, int] = {}  # (by the whole owner: an instance joined again is another)
+        self._once: set[_Owner] = set()  # judged alive by ``/proc`` once, not held (at most 4 × ``_MOST``)
 
     def gone(self, owners: Sequence[_Owner], me: _Owner) -> list[str | None]:
         """Why each of ``owners`` no longer exists, or None when it may be alive."""
@@ -2018,7 +2021,12 @@ class _Alive:
                 why.append(None)
             else:
                 gone = _owner_gone(owner, me)
-                if gone is None and len(self._held) < self._MOST:
+                if gone is None and owner not in self._once:
+                    if len(self._once) >= 4 * self._MOST:
+                        self._once.clear()
+                    self._once.add(owner)
+                elif gone is None and len(self._held) < self._MOST:
+                    self._once.discard(owner)
                     self._hold(owner, me)
                 why.append(gone)
         return why
@@ -2052,6 +2060,7 @@ class _Alive:
     def keep(self, owners: Iterable[_Owner]) -> None:
         """Let go of the processes held that are not among ``owners`` (no longer listed)."""
         listed = set(owners)
+        self._once &= listed
         for owner in [owner for owner in self._held if owner not in listed]:
             os.close(self._held.pop(owner))
 

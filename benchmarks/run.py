@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -1360,6 +1361,52 @@ def commit_floor(commits: int = 2_000) -> float:
         cpu = time.process_time() - begin
         conn.close()
     return cpu / commits
+
+
+def reading_who_runs(peers: int = 16, calls: int = 300) -> dict[str, float]:
+    """CPU (this thread's, median, ms) of reading which processes run (``processes()``) with
+    ``peers`` other live processes joined: by a store opened for the one call and closed after it,
+    as the command line does, and by a store that reads again and again, as a running scheduler
+    does every couple of seconds (the store's internals: no public call reads only that)."""
+    import anarchon_lite as al
+
+    with tempfile.TemporaryDirectory() as folder:
+        db = os.path.join(folder, "who.db")
+        sleepers: list[subprocess.Popen[bytes]] = []
+        try:
+            for i in range(peers):
+                sleepers.append(subprocess.Popen(["sleep", "3600"]))
+                state = al._process_start(sleepers[-1].pid)
+                assert state is not None, "a sleeper ended at once"
+                store = al._SQLiteStore(db)
+                store._me = dataclasses.replace(store._me, pid=sleepers[-1].pid, start=state[1])
+                store.join(f"peer{i:03d}", 1000, [])
+                store.close()
+
+            def one_call() -> None:
+                store = al._SQLiteStore(db)
+                store.processes()
+                store.close()
+
+            kept = al._SQLiteStore(db)
+            try:
+                figures = {
+                    name: statistics.median(_thread_cpu(call) for _ in range(calls)) * 1000
+                    for name, call in (("one_call_ms", one_call), ("kept_ms", kept.processes))
+                }
+            finally:
+                kept.close()
+        finally:
+            for sleeper in sleepers:
+                sleeper.kill()
+                sleeper.wait()
+    return figures
+
+
+def _thread_cpu(call: Callable[[], Any]) -> float:
+    begin = time.thread_time()
+    call()
+    return time.thread_time() - begin
 
 
 def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = False) -> dict[str, Any]:
