@@ -1,9 +1,15 @@
-"""The PostgreSQL busy measurement of ``run.py`` (``pgcost_busy``: 1,000 jobs every 10 s on four
-processes) of two trees, alternated in one session so that the machine's noise falls on both alike.
+"""Measurements of ``run.py`` on two trees, alternated in one session so that the machine's noise
+falls on both alike.
 
 ``python benchmarks/ab.py OLD_TREE [--rounds N] [--json PATH]``: OLD_TREE is a folder holding the
 ``anarchon_lite.py`` to compare with (a ``git worktree`` of an older commit); the other is this
-checkout's. Prints each round and the medians.
+checkout's. Without ``--call``, the PostgreSQL busy measurement (``pgcost_busy``: 1,000 jobs every
+10 s on four processes); prints each round and the medians.
+
+``--call EXPR`` (again for more): each round evaluates each expression of this checkout's ``run``
+module (``run.sweep_one(16, 20, 30)``, ``run.burst(DB, 10000, 1)`` with ``DB`` a fresh file, ...)
+once with each tree's ``anarchon_lite``, in a fresh interpreter each time, the trees' order turned
+round every round; prints one JSON line a measurement.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import itertools
 import json
 import os
 import statistics
+import subprocess
 import sys
 from typing import Any
 
@@ -31,8 +38,11 @@ def main() -> int:
     parser.add_argument("old", help="a folder holding the anarchon_lite.py to compare with")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="write every round's figures here")
+    parser.add_argument("--call", action="append", default=[], help="an expression of run's to measure (see above)")
     args = parser.parse_args()
     trees = {"old": os.path.abspath(args.old), "new": os.path.dirname(HERE)}
+    if args.call:
+        return calls(trees, args.call, args.rounds, args.json)
     numbers = itertools.count()
     cost = run.ServerCost
     run.ServerCost = lambda server, database: cost(server, f"{database}_{next(numbers)}")  # (one database a round)
@@ -62,6 +72,38 @@ def main() -> int:
         )
     if args.json:
         with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    return 0
+
+
+def calls(trees: dict[str, str], expressions: list[str], rounds: int, path: str | None) -> int:
+    """Each expression, with each tree's module, round after round (see the module's text)."""
+    results = []
+    for round_ in range(rounds):
+        order = list(trees.items()) if round_ % 2 == 0 else list(trees.items())[::-1]
+        for expression in expressions:
+            for name, tree in order:
+                code = (
+                    "import json, os, tempfile, run, anarchon_lite\n"
+                    "DB = os.path.join(tempfile.mkdtemp(), 'ab.db')\n"
+                    f"print(json.dumps({{'module': anarchon_lite.__file__, 'result': {expression}}}))"
+                )
+                env = {**os.environ, "PYTHONPATH": tree}  # (the workers and this one import the tree's)
+                done = subprocess.run(
+                    [sys.executable, "-c", code], check=False, cwd=HERE, env=env, capture_output=True, text=True
+                )
+                if done.returncode != 0:
+                    print(f"{name} {round_} {expression}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+                    return 1
+                found = json.loads(done.stdout.strip().splitlines()[-1])
+                if not found["module"].startswith(tree):
+                    print(f"{name}: imported {found['module']}, not the tree's", file=sys.stderr)
+                    return 1
+                line = {"tree": name, "round": round_, "call": expression, "result": found["result"]}
+                results.append(line)
+                print(json.dumps(line), flush=True)
+    if path:
+        with open(path, "w") as handle:
             json.dump(results, handle, indent=1)
     return 0
 

@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+# after the $PYTHONPATH entries, as in _worker.py: a folder named there (another tree) comes first
+sys.path.insert(1 + len([path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]), ROOT)
 
 
 from _spin import two_threads
