@@ -1464,6 +1464,43 @@ def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = Fals
     }
 
 
+def store_costs(processes: int, jobs: int, seconds: float, top: int = 30) -> list[dict[str, Any]]:
+    """The sweep's workload (``sweep_one``) on ``processes`` processes, each counting its calls of
+    the store's and the loop's methods and their CPU (``benchmarks/_costs``) over ``seconds``:
+    the ``top`` methods by CPU, summed over the processes, per occurrence of the jobs
+    (``jobs`` a second). The counting costs CPU: the figures are for comparing the calls."""
+    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
+        fleet.stderr = subprocess.DEVNULL
+        given = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(HERE, "_costs"), given]))
+        os.environ["BENCH_COSTS"] = os.path.join(folder, "costs")
+        try:
+            fleet.start(processes)
+        finally:
+            os.environ.pop("BENCH_COSTS")
+            if given is None:
+                os.environ.pop("PYTHONPATH")
+            else:
+                os.environ["PYTHONPATH"] = given
+        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
+        for proc in fleet.procs:
+            proc.send_signal(signal.SIGUSR2)  # (counted afresh from now)
+        time.sleep(seconds)
+        fleet.stop()
+        totals: dict[str, list[float]] = {}
+        for proc in fleet.procs:
+            with open(os.path.join(folder, f"costs.{proc.pid}")) as handle:
+                for name, (calls, cpu) in json.load(handle).items():
+                    total = totals.setdefault(name, [0, 0.0])
+                    total[0], total[1] = total[0] + calls, total[1] + cpu
+    occurrences = jobs * seconds
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [
+        {"call": name, "calls": calls / occurrences, "us_a_call": cpu / calls * 1e6, "ms": cpu / occurrences * 1000}
+        for name, (calls, cpu) in ranked
+    ]
+
+
 def _strace(pid: int, folder: str) -> Callable[[], dict[str, int] | None]:
     """Count the system calls of every thread of ``pid`` from now (``strace -f -c``) until the
     function returned is called: it returns the count of each call and their ``total`` (None
