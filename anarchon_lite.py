@@ -5059,7 +5059,8 @@ class _PGStore(_SQLStore):
     _SQL_RUN_TO_TAKE = _PG_RUN_TO_TAKE
     _renewal = staticmethod(_pg_renewal)
     # A checkpoint's write locks the run that fences it: a takeover or an end in flight is waited for
-    # and its commit seen (READ COMMITTED reads a locked row's newest version again before the write),
+    # and its commit seen (READ COMMITTED reads a locked row's newest version again before the write;
+    # under a stricter default of the role's, the statement fails to serialize and is made again),
     # and one that comes after waits for the write (a claim reads the run it takes FOR UPDATE).
     _SQL_CHECKPOINT_SET = _SQL_CHECKPOINT_SET.format(lock=" FOR SHARE")
     _SQL_CHECKPOINT_DELETE = _SQL_CHECKPOINT_DELETE.format(lock=" FOR SHARE")
@@ -5196,8 +5197,8 @@ class _PGStore(_SQLStore):
         while True:
             try:
                 return call(self._connect())
-            except StoreError as exc:  # (from _connect: no connection to be had)
-                if not exc.transient or time.monotonic() > deadline:
+            except StoreError as exc:  # (no connection to be had; or a statement failed on a live one)
+                if not exc.transient or self._conn is not None or time.monotonic() > deadline:
                     raise
             except self._psycopg.Error as exc:
                 error = self._failed(exc)
@@ -5235,6 +5236,7 @@ class _PGStore(_SQLStore):
                 _pause(0.1)  # (until a standby is promoted: never a spin)
 
     def _one_write(self, sql: str, args: Mapping[str, Any]) -> int:
+        # (made again only on a new connection: a statement the server refused fails at once)
         return self._reconnecting(lambda _: self._autocommit(sql, args))
 
     def maintain(self) -> None:

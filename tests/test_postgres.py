@@ -1036,6 +1036,40 @@ def test_a_checkpoint_write_meeting_a_takeover_in_flight_waits_for_it_and_is_ref
         process.close()
 
 
+@pytest.mark.parametrize("value", ['"late"', None], ids=["set", "delete"])
+def test_a_checkpoint_write_the_server_refuses_fails_at_once_and_is_not_made_again(url, value, monkeypatch):
+    """A checkpoint write that the server refuses on a live connection (a full disk, 53100, raised
+    here by a trigger) fails at once with the server's word: only a lost connection has it made
+    again, on a new one. (A review found it made again for 5 s, the store's thread held meanwhile.)"""
+    from test_store import claim_due, declared
+
+    process = Process(url)
+    try:
+        store = declared(process.open())
+        claim = claim_due(store, "a")
+        sql(
+            url,
+            "CREATE FUNCTION full_disk() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$BEGIN RAISE EXCEPTION 'could not extend file' USING ERRCODE = '53100'; END$$",
+        )
+        sql(
+            url,
+            "CREATE TRIGGER disk_full BEFORE INSERT OR UPDATE OR DELETE ON checkpoints FOR EACH ROW EXECUTE FUNCTION full_disk()",
+        )
+        if value is None:  # (a checkpoint to delete, written around the trigger)
+            sql(url, "ALTER TABLE checkpoints DISABLE TRIGGER disk_full")
+            store.checkpoint_write("job", claim.slot, '"before"', 0, (claim.attempt, "a"))
+            sql(url, "ALTER TABLE checkpoints ENABLE TRIGGER disk_full")
+        sent = []
+        autocommit = store._autocommit
+        monkeypatch.setattr(store, "_autocommit", lambda *args: sent.append(args) or autocommit(*args))
+        with pytest.raises(StoreError, match="could not extend file"):
+            store.checkpoint_write("job", claim.slot, value, 0, (claim.attempt, "a"))
+        assert len(sent) == 1
+    finally:
+        process.close()
+
+
 def test_a_claim_that_finds_every_job_moved_tells_no_one(url):
     """Of the processes that claim a due job at once, all but one find its watermark moved: they
     wrote nothing and wake no other process. (Notifications arrive in commit order: the first one
