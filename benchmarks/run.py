@@ -1404,6 +1404,15 @@ def reading_who_runs(peers: int = 16, calls: int = 300) -> dict[str, float]:
     return figures
 
 
+def timeouts_one(jobs: int = 20, seconds: float = 20.0) -> dict[str, Any]:
+    """One process, ``jobs`` jobs every second each with a ``timeout``, handlers that return at
+    once (``_timeouts.py``): CPU and context switches (its timer thread's, all threads') per
+    occurrence."""
+    command = [sys.executable, os.path.join(HERE, "_timeouts.py"), str(jobs), str(seconds)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=seconds + 120)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def _thread_cpu(call: Callable[[], Any]) -> float:
     begin = time.thread_time()
     call()

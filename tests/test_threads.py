@@ -74,6 +74,34 @@ def test_short_runs_one_after_another_share_one_watchdog_timer():
         loop.close()
 
 
+def test_the_timer_thread_is_woken_only_for_a_deadline_sooner_than_all_it_has():
+    """A deadline planned after the first (a run's ``timeout``, behind the watchdog's tick) wakes
+    nobody: the thread wakes by the first and looks at the rest then. Each woke it, about four
+    context switches of the thread an occurrence with 20 jobs a second, each with a timeout. A
+    sooner one wakes it, and every deadline is kept. (No store: the timer thread alone.)"""
+    clock = al.Clock()
+    timers = al._Timers(clock, "test-timers")
+    told = []
+    notify = timers._cond.notify
+    timers._cond.notify = lambda *args: told.append(1) or notify(*args)
+    fired = []
+    timers.start()
+    try:
+        now = clock.monotonic()
+        timers.call_at(now + 60, lambda: fired.append("later"))
+        assert len(told) == 1  # (the first: it slept with nothing planned)
+        timers.call_at(now + 3600, lambda: fired.append("much later"))
+        timers.call_at(now + 120, lambda: fired.append("after the first"))
+        assert len(told) == 1
+        timers.call_at(now + 0.05, lambda: fired.append("soon"))
+        assert len(told) == 2
+        run(wait_for(lambda: fired == ["soon"], message="the sooner deadline"))
+        assert sorted(deadline for deadline, _, _ in timers._heap) == [now + 60, now + 120, now + 3600]
+    finally:
+        timers.stop()
+        timers.join(timeout=10)
+
+
 def test_blocked_loop_warning_names_the_job(db, caplog):
     async def main():
         s = make(db, blocked_warning=0.3)
