@@ -15,10 +15,9 @@ import tempfile
 import threading
 import time
 
-_GIVEN = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
-sys.path.insert(1 + len(_GIVEN), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import run  # noqa: F401 - (this folder's, first: it puts the root after the $PYTHONPATH entries)
 
-from anarchon_lite import Scheduler  # (after the path is set)
+from anarchon_lite import Scheduler
 
 
 def switches(tid: int) -> int:

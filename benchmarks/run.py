@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1413,6 +1415,24 @@ def timeouts_one(jobs: int = 20, seconds: float = 20.0) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+@contextlib.contextmanager
+def _environment(**values: str | None) -> Iterator[None]:
+    """This process's environment with ``values`` set (None: left unset) for the body of the
+    block, as it was after: for the workers started in it."""
+    before = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is not None:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _thread_cpu(call: Callable[[], Any]) -> float:
     begin = time.thread_time()
     call()
@@ -1427,12 +1447,8 @@ def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = Fals
     that run's CPU is not comparable)."""
     with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
         fleet.stderr = subprocess.DEVNULL  # (past its ceiling every occurrence missed is a line)
-        if statements:
-            os.environ["BENCH_STATEMENTS"] = "1"
-        try:
+        with _environment(BENCH_STATEMENTS="1" if statements else None):
             fleet.start(processes)
-        finally:
-            os.environ.pop("BENCH_STATEMENTS", None)
         time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
         counted = _statements(fleet) if statements else 0
         tracer = _strace(fleet.procs[0].pid, folder) if statements else None
@@ -1481,16 +1497,9 @@ def store_costs(processes: int, jobs: int, seconds: float, top: int = 30) -> lis
     with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
         fleet.stderr = subprocess.DEVNULL
         given = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(HERE, "_costs"), given]))
-        os.environ["BENCH_COSTS"] = os.path.join(folder, "costs")
-        try:
+        counting = os.pathsep.join(filter(None, [os.path.join(HERE, "_costs"), given]))
+        with _environment(PYTHONPATH=counting, BENCH_COSTS=os.path.join(folder, "costs")):
             fleet.start(processes)
-        finally:
-            os.environ.pop("BENCH_COSTS")
-            if given is None:
-                os.environ.pop("PYTHONPATH")
-            else:
-                os.environ["PYTHONPATH"] = given
         time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
         for proc in fleet.procs:
             proc.send_signal(signal.SIGUSR2)  # (counted afresh from now)
