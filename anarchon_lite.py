@@ -8622,6 +8622,9 @@ class _Loop:
         #: a read since left them unread (read less than ``_PEERS_EVERY`` before): read them once that passed
         self._peers_unread = False
         self._first: dict[str, bool] = {}  #: whether this process is each job's first, among these peers
+        #: runs triggered of jobs another process claims first, and when this process first saw each
+        #: (monotonic): it claims one ``_SECOND_LOOK`` after (``_consider``)
+        self._triggers_seen: dict[tuple[str, int], float] = {}
 
     # -- waking ------------------------------------------------------------------------------------
 
@@ -8685,6 +8688,9 @@ class _Loop:
         self._claimable = not self.stopping and any(
             run.state == "pending" and run.not_before <= now_ms and run.job in jobs for run in runs
         )
+        if self._triggers_seen:  # (forget those claimed since, by any process)
+            pending = {(run.job, run.slot) for run in runs if run.state == "pending"}
+            self._triggers_seen = {key: at for key, at in self._triggers_seen.items() if key in pending}
 
     def _told_now(self) -> None:
         self._told = None
@@ -9204,8 +9210,8 @@ class _Loop:
         agenda, declared = self._agenda, self._declared.jobs.get(job)
         row = None if agenda is None else agenda.rows.get(job)
         if self.stopping or agenda is None or declared is None or row is None or not self._is_first(job):
-            # (The next occurrence of a job another process claims first may be claimed there before
-            # this end is written, and found unfinished: skipped.)
+            # (The next occurrence, or a run triggered, of a job another process claims first may be
+            # claimed there before this end is written, and find it unfinished: skipped.)
             return 0.0
         if self._sweeping:  # (written once the sweep is over)
             until = _ms(self._clock.time() + _SWEEP_END_WAIT + _LOOK_GAP)
@@ -9238,6 +9244,16 @@ class _Loop:
         if run.state == "pending":
             if run.not_before > now_ms:
                 return (run.not_before - now_ms) / 1000
+            if run.attempt == 0 and not self._is_first(run.job):
+                # A run triggered is claimed by its job's first process, whose end of the job's last
+                # run may wait for its next claim (``_end_wait``): a process that claimed it first
+                # found that run unfinished and recorded the trigger skipped. The others claim it a
+                # second look after they saw it (the first is frozen, stopping or gone), on their own
+                # clock (the slot is the clock of the process that triggered it).
+                seen = self._triggers_seen.setdefault((run.job, run.slot), self._clock.monotonic())
+                left = seen + _SECOND_LOOK - self._clock.monotonic()
+                if left > 0:
+                    return left
         else:
             gone = watch.owner_gone(run)
             left = (run.lease_left or 0.0) - (self._clock.monotonic() - self._read_at)

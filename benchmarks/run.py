@@ -1489,6 +1489,33 @@ def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = Fals
     }
 
 
+def triggers_in_a_sweep(processes: int, jobs: int, triggers: int) -> dict[str, Any]:
+    """The sweep's workload (``sweep_one``: ``jobs`` jobs every second) on ``processes`` processes,
+    and ``triggers`` runs triggered from this process, each of a job 30 ms after one of its
+    occurrences (while the end of that run may still wait for its process's next claim), one at a
+    time: how the runs triggered were recorded (all ``succeeded`` is right: their jobs are idle)."""
+    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
+        fleet.stderr = subprocess.DEVNULL
+        fleet.start(processes)
+        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
+        scheduler, made = Scheduler(fleet.db), []
+        for n in range(triggers):
+            job = n % jobs
+            now = time.time()
+            at = int(now) + job / jobs + 0.03  # (the job's offset into the second, and 30 ms)
+            time.sleep((at if at > now else at + 1) - now)
+            made.append((f"tick-{job}", asyncio.run(scheduler.trigger(f"tick-{job}"))))
+
+        def recorded() -> list[str]:
+            rows = {(j, s): st for j, s, st in query(fleet.db, "SELECT job, slot, status FROM history")}
+            return [rows.get(key, "running") for key in made]
+
+        _settle_until(lambda: "running" not in recorded(), 30.0, "the runs triggered, ended")
+        statuses = recorded()
+        fleet.stop()
+    return {"processes": processes, "triggers": triggers, **{st: statuses.count(st) for st in sorted(set(statuses))}}
+
+
 def store_costs(processes: int, jobs: int, seconds: float, top: int = 30) -> list[dict[str, Any]]:
     """The sweep's workload (``sweep_one``) on ``processes`` processes, each counting its calls of
     the store's and the loop's methods and their CPU (``benchmarks/_costs``) over ``seconds``:

@@ -340,14 +340,83 @@ def test_a_run_triggered_right_after_a_run_of_its_job_ended_is_not_skipped(db, c
     run(main())
 
 
+async def _second_look_at_trigger(s, job, slot, clock):
+    """Let ``s``, which is not ``job``'s first process, claim the run triggered at ``slot``: once it
+    saw it, the clock moves on by ``_SECOND_LOOK``."""
+    await wait_for(lambda: (job, slot) in s._loop._triggers_seen, message="the run triggered, seen")
+    clock.advance(anarchon_lite._SECOND_LOOK)
+
+
 async def ended(s, job, slot):
     return any(r.slot == slot and r.status != "running" for r in await s.history(job, limit=100))
 
 
+def test_a_run_triggered_while_another_process_holds_the_end_of_its_jobs_last_run_is_run(db, clock, monkeypatch):
+    """A run triggered is claimed by its job's first process, whose end of the job's last run may
+    be waiting for its next claim: another process that claimed it first found that run unfinished
+    and recorded the trigger skipped. The others claim it only a second look after they saw it."""
+    monkeypatch.setattr(anarchon_lite, "_END_WAIT", HOUR)
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2)
+    x, y = (next(f"{p}{i}" for i in range(100) if anarchon_lite._first_of(f"{p}{i}", ["a", "b"]) == "a") for p in "xy")
+    ran = []
+
+    async def main():
+        a, b = make(db, clock, instance="a"), make(db, clock, instance="b")
+        for s in (a, b):
+            s.every(x, "1h", lambda ctx: ran.append((ctx.slot, ctx.instance)), lease="3h")
+            s.every(y, "1h", lambda ctx: None, offset="30m")  # (a's end of x waits for a's claim of y)
+        async with a, b:
+            await _know_each_other(a, b, clock=clock)
+            next_slot(clock, HOUR)
+            await wait_for(lambda: a._loop.runner._ends, message="a's end of x, waiting")
+            slot = await b.trigger(x)  # (b looks at once: it read the run triggered first)
+
+            async def run_or_skipped():
+                return (slot, "a") in ran or await ended(b, x, slot)
+
+            await wait_for(run_or_skipped, message="the run triggered, run or skipped")
+            clock.advance(HOUR / 2)  # (a's end of it waits for a's claim of y)
+            await wait_for(lambda: ended(b, x, slot), message="the run triggered, ended")
+            assert [(st, by) for at_slot, st, by in await _records(b, x) if at_slot == slot] == [("succeeded", "a")]
+
+    run(main())
+
+
+def test_a_run_triggered_is_claimed_by_another_process_a_second_look_after_it_saw_it(db, clock):
+    """A run triggered that its job's first process leaves (frozen, stopping, gone) is claimed by
+    another process ``_SECOND_LOOK`` after that one first saw it, on its own clock."""
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2)
+    x = next(f"x{i}" for i in range(100) if anarchon_lite._first_of(f"x{i}", ["a", "b"]) == "a")
+    ran = []
+
+    async def main():
+        (counted, looks) = counting_looks()
+        a = make(db, clock, instance="a", store=faulty(claim=lambda original, *args, **kwargs: time.sleep(0.01)))
+        b = make(db, clock, instance="b", store=counted)  # (a, the first, claims nothing: as if frozen)
+        for s in (a, b):
+            s.every(x, "1h", lambda ctx: ran.append((ctx.slot, ctx.instance)))
+        async with a, b:
+            await _know_each_other(a, b, clock=clock)
+            slot = await b.trigger(x)
+            await looks_pass(b, looks)  # (b looked again and again: the clock has not moved)
+            assert not ran and not await ended(b, x, slot)
+            clock.advance(anarchon_lite._SECOND_LOOK)
+            await wait_for(lambda: ended(b, x, slot), message="the run triggered, claimed by b")
+            assert ran == [(slot, "b")]
+
+    run(main())
+
+
+async def _records(s, job):
+    return [(r.slot, r.status, r.instance) for r in await s.history(job, limit=100)]
+
+
 def test_a_run_of_a_job_another_process_claims_first_has_its_end_written_at_once(db, clock, monkeypatch):
-    """A run of a job another process claims first (here a run triggered, which any process
-    claims) waits for no claim of this process's: the other may claim the job's next occurrence
-    before this process's claim commits, and would find the run unfinished."""
+    """A run of a job another process claims first (here a run triggered that the other leaves,
+    claimed a second look later) waits for no claim of this process's: the other may claim the
+    job's next occurrence before this process's claim commits, and would find the run unfinished."""
     monkeypatch.setattr(anarchon_lite, "_END_WAIT", HOUR)
     aligned(clock, HOUR)
     clock.advance(-HOUR / 2)
@@ -363,7 +432,8 @@ def test_a_run_of_a_job_another_process_claims_first_has_its_end_written_at_once
             s.every(ours, "1h", lambda ctx: None, offset="10m")
         async with a, b:
             await _know_each_other(a, b, clock=clock)
-            slot = await a.trigger(theirs)  # (b claims no run triggered: a does)
+            slot = await a.trigger(theirs)
+            await _second_look_at_trigger(a, theirs, slot, clock)  # (b claims no run triggered: a does)
             await wait_for(lambda: ended(a, theirs, slot), message="the run triggered, ended at once")
             assert [(st, by) for at_slot, st, by in await runs_of(a, theirs) if at_slot == slot] == [("succeeded", "a")]
         assert calls == []
@@ -800,7 +870,8 @@ def test_a_sweeps_end_of_a_job_another_process_claims_first_is_written_before_it
         try:
             async with a, b:
                 await _know_each_other(a, b, clock=clock)
-                triggered = await a.trigger(theirs)  # (b claims no run triggered: a does, and runs it)
+                triggered = await a.trigger(theirs)
+                await _second_look_at_trigger(a, theirs, triggered, clock)  # (b claims no run triggered: a does)
                 await wait_for(lambda: (theirs, triggered) in runner.running, message="a runs the run triggered")
                 half = (clock.time() // HOUR + 1) * HOUR + HOUR / 2
                 clock.advance(half + 0.01 - clock.time())  # (the sweep, 1.025 s before theirs comes due)
