@@ -183,10 +183,14 @@ class JobOptions(TypedDict, total=False):
     on_failure_every_attempt: bool
 
 
-#: Whether a write tells the others: always, or by its result; ``_NOW`` also says that a run was
-#: handed over, to be claimed now, which a store that can say so has read at once (not coalesced)
+#: Whether a write tells the others: always, or by its result. ``_NOW`` also says that a run was
+#: handed over, to be claimed now, which a store that can say so has read at once (not coalesced);
+#: ``_ASKED``, that another process asks every process to act on it (a trigger, a cancel, a pause, a
+#: resume), which is read soon (``_ASKED_GAP``). (SQLite: a hand-over closes the process's liveness
+#: socket, and what is asked touches the file's times, ``_FileWatch``; PostgreSQL: the payload.)
 _Telling = Union[bool, str, Callable[[T], Union[bool, str]]]
 _NOW = "now"
+_ASKED = "asked"
 
 
 ###############################################################################
@@ -1777,12 +1781,14 @@ class _Backend(abc.ABC):
         on_change: Callable[[], None],
         instance: str,
         on_gone: Callable[[], None] | None = None,
+        on_asked: Callable[[], None] | None = None,
     ) -> _Changes:
         """The loop's view of changes, for the scheduler ``instance`` of this process (open from
         before it joins until it has left); when ``polled``, ``on_change`` is never called for
         other processes' writes. A store that learns of an owner's end apart from its writes, or
         is told that a run was handed over to be claimed now, calls ``on_gone`` then
-        (``on_change`` if not given): the loop looks at once, not coalesced."""
+        (``on_change`` if not given): the loop looks at once, not coalesced. One told of a write
+        told ``_ASKED`` calls ``on_asked`` (``on_change`` if not given): the loop reads it soon."""
 
 
 ###############################################################################
@@ -2695,7 +2701,7 @@ def _won(claims: Sequence[_Claimed]) -> bool:
 def _hands_over(ends: Sequence[_End], written: Sequence[bool]) -> bool | str:
     """Whether an end written leaves its run pending (what other processes are told of): ``_NOW``
     when one is handed over, for another process to claim now. A run deleted concerns no other
-    process at once: one watching it reads the runs again within 0.5 s."""
+    process at once: one watching it reads the runs again within its store's ``coalesce``."""
     left = [end.then for end, wrote in zip(ends, written) if wrote and end.then is not _AfterEnd.DONE]
     return _NOW if _AfterEnd.HANDOVER in left else bool(left)
 
@@ -2802,7 +2808,7 @@ class _SQLStore(_Store):
                 conn.execute(_SQL_SET_PAUSED, {"paused": int(paused), "since": since, "job": name}).rowcount == 1
             )
 
-        return self._write(work)
+        return self._write(work, notify=lambda changed: _ASKED if changed else False)
 
     def runs(self) -> list[_RunRow]:
         return [_run_row(row) for row in self._read(self._SQL_RUNS)]
@@ -3085,7 +3091,7 @@ class _SQLStore(_Store):
             conn.execute(_SQL_INSERT_RUN, (job, slot, now_ms))
             return slot
 
-        return self._write(work, again=False)
+        return self._write(work, notify=_ASKED, again=False)
 
     def cancel(self, job: str, now_ms: int) -> int:
         def work(conn: Any) -> int:
@@ -3096,7 +3102,7 @@ class _SQLStore(_Store):
                 conn.execute(_SQL_RECORD, cancelled)
             return int(conn.execute(_SQL_CANCEL, (job,)).rowcount) + len(pending)
 
-        return self._write(work)
+        return self._write(work, notify=lambda count: _ASKED if count else False)
 
     def forget(self, job: str) -> str | None:
         def work(conn: Any) -> str | None:
@@ -4009,7 +4015,18 @@ class _SQLiteFile(_SQLStore):
                 raise StoreError(self.path, self._explain(exc)) from None
             raise
         self._committed()
+        if notify == _ASKED or (callable(notify) and notify(result) == _ASKED):
+            self._ask()
         return result
+
+    def _ask(self) -> None:
+        """Have the other processes read what was just committed soon, not coalesced: the database
+        file's times touched, which their ``_FileWatch`` tells at once (no commit changes them).
+        Without the right to (another user's file, shared), they read it within ``coalesce``."""
+        try:
+            os.utime(_real_path(self.path), follow_symlinks=False)
+        except (OSError, StoreError):
+            pass
 
     def _begin_write(self, conn: sqlite3.Connection) -> None:
         """``BEGIN IMMEDIATE``: the write lock, waited for up to ``busy_timeout``. With ``lock_poll``
@@ -4449,46 +4466,86 @@ class _FileWatch:
     own names being created, renamed or deleted (a ``-wal`` made anew is watched in its turn): the
     other files of the directory, however busy, wake nothing. ``start`` returns None where inotify
     is not available; the scheduler then polls the file every ``poll`` seconds.
+
+    A write that asks something of every process (``_ASKED``: a trigger, a cancel, a pause, a
+    resume) touches the database file's times (``_SQLStore._ask``); a watch of its own, never
+    held, calls ``on_asked`` for it.
     """
 
     # Writes, and the file being replaced or deleted (the scheduler then reopens the path).
     _IN_MODIFY, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x2, 0x40, 0x80, 0x100, 0x200
     _NAMES = _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
+    _IN_ATTRIB = 0x4  # (the file's times touched: a write that asks something)
 
-    def __init__(self, fd: int, libc: Any, loop: asyncio.AbstractEventLoop, path: str, on_change: Callable[[], None]):
-        self._fd, self._libc, self._loop, self._on_change = fd, libc, loop, on_change
+    def __init__(
+        self,
+        fds: tuple[int, int],
+        libc: Any,
+        loop: asyncio.AbstractEventLoop,
+        path: str,
+        on_change: Callable[[], None],
+        on_asked: Callable[[], None],
+    ):
+        (self._fd, self._asked_fd), self._libc, self._loop = fds, libc, loop
+        self._on_change, self._on_asked = on_change, on_asked
         self._prefix = os.fsencode(os.path.basename(path))
-        self._wal = os.fsencode(path + "-wal")
+        self._file, self._wal = os.fsencode(path), os.fsencode(path + "-wal")
         self._wal_name = self._prefix + b"-wal"
         self._wal_wd = -1  # the -wal's watch (-1: none yet: the file does not exist)
         self._renamed = False  # the database's names were made, renamed or deleted since the last ``look``
 
     @classmethod
-    def start(cls, path: str, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> _FileWatch | None:
+    def start(
+        cls,
+        path: str,
+        loop: asyncio.AbstractEventLoop,
+        on_change: Callable[[], None],
+        on_asked: Callable[[], None] | None = None,
+    ) -> _FileWatch | None:
         if not sys.platform.startswith("linux"):
             return None
+        fds: list[int] = []
         try:
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)
-            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-            if fd < 0:
-                return None
+            for _ in range(2):
+                fds.append(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+                if fds[-1] < 0:
+                    raise OSError("no inotify")
             path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
             directory = os.fsencode(os.path.dirname(os.path.abspath(path)))
-            if libc.inotify_add_watch(fd, directory, cls._NAMES) < 0:
-                os.close(fd)
-                return None
+            if libc.inotify_add_watch(fds[0], directory, cls._NAMES) < 0:
+                raise OSError("no watch")
         except (OSError, AttributeError):
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
             return None
-        watch = cls(fd, libc, loop, os.path.abspath(path), on_change)
+        watch = cls((fds[0], fds[1]), libc, loop, os.path.abspath(path), on_change, on_asked or on_change)
         watch._watch_wal()
-        loop.add_reader(fd, watch._read)
+        watch._watch_file()
+        loop.add_reader(fds[0], watch._read)
+        loop.add_reader(fds[1], watch._read_asked)
         return watch
 
     def _watch_wal(self) -> None:
         """Watch the -wal as it is now (the same watch again if it is the same file)."""
         self._wal_wd = self._libc.inotify_add_watch(self._fd, self._wal, self._IN_MODIFY)
+
+    def _watch_file(self) -> None:
+        """Watch the database file's times as it is now (the file made anew: the new one)."""
+        self._libc.inotify_add_watch(self._asked_fd, self._file, self._IN_ATTRIB)
+
+    def _read_asked(self) -> None:
+        told = False
+        while True:
+            try:
+                told = bool(os.read(self._asked_fd, 65536)) or told
+            except (BlockingIOError, InterruptedError):
+                break
+        if told:
+            self._on_asked()
 
     def _read(self) -> None:
         if self._take():
@@ -4506,7 +4563,7 @@ class _FileWatch:
     def _take(self) -> bool:
         """Read the events waiting; whether the database changed (noted for ``look`` when one of its
         names did; the -wal watched anew when its name did)."""
-        changed = renamed = False
+        changed = renamed = named = False
         while True:
             try:
                 data = os.read(self._fd, 65536)
@@ -4520,11 +4577,13 @@ class _FileWatch:
                 if wd == self._wal_wd and not name:
                     changed = True
                 elif name.startswith(self._prefix):
-                    changed = self._renamed = True
+                    changed = self._renamed = named = True
                     renamed = renamed or name == self._wal_name
                 offset += 16 + length
         if renamed:  # (a -wal made anew, or gone: watch what the name holds now)
             self._watch_wal()
+        if named:  # (the file too, were it made anew)
+            self._watch_file()
         return changed
 
     def hold(self) -> None:
@@ -4535,8 +4594,9 @@ class _FileWatch:
         self._loop.add_reader(self._fd, self._read)
 
     def close(self) -> None:
-        self._loop.remove_reader(self._fd)
-        os.close(self._fd)
+        for fd in (self._fd, self._asked_fd):
+            self._loop.remove_reader(fd)
+            os.close(fd)
 
 
 class _SQLiteChanges(_Changes):
@@ -4548,8 +4608,9 @@ class _SQLiteChanges(_Changes):
 
     #: Every commit of every process appends to the -wal and wakes every watcher: a busy store's
     #: changes are read at most this often by each process (its own writes and an owner's end at
-    #: once); a process claims what comes due on its own timers, not on these reads.
-    coalesce = 0.5
+    #: once, what is asked of it soon: ``_ASKED``); a process claims what comes due on its own timers, not on these
+    #: reads. Under ``_SECOND_LOOK``: these reads are what tell a second look that the first claimed.
+    coalesce = 0.8
     #: The files at the path are compared with those opened at most this often (a busy process
     #: looks several times an occurrence: three stat calls each), and at once when the watch
     #: holds news of one of the database's names made, renamed or deleted (each look reads it).
@@ -4565,6 +4626,7 @@ class _SQLiteChanges(_Changes):
         instance: str,
         shared_group: bool = False,
         on_gone: Callable[[], None] | None = None,
+        on_asked: Callable[[], None] | None = None,
     ):
         self._store: _SQLiteStore = _SQLiteStore(path, busy_timeout=0.05, clock=clock, shared_group=shared_group)
         try:  # (first: nothing is made beside a file that is refused)
@@ -4573,9 +4635,9 @@ class _SQLiteChanges(_Changes):
             raise
         except StoreError:
             pass  # (the scheduler's own connection says why, and tries again)
-        self._files = None if poll else _FileWatch.start(path, loop, on_change)
+        self._files = None if poll else _FileWatch.start(path, loop, on_change, on_asked)
         self._compared = -math.inf  # (when ``lost`` last compared the files, on time.monotonic)
-        self._live = _Liveness(path, loop, on_gone or on_change, shared_group)
+        self._live = _Liveness(path, loop, on_gone or on_change, shared_group)  # (an owner's end: at once)
         self._live.listen(_this_owner(instance))
 
     @property
@@ -4686,9 +4748,10 @@ class _SQLite(_Backend):
         on_change: Callable[[], None],
         instance: str,
         on_gone: Callable[[], None] | None = None,
+        on_asked: Callable[[], None] | None = None,
     ) -> _Changes:
         return _SQLiteChanges(
-            self.path, self._clock, loop, on_change, self.polled, instance, self.shared_group, on_gone or on_change
+            self.path, self._clock, loop, on_change, self.polled, instance, self.shared_group, on_gone, on_asked
         )
 
 
@@ -5147,8 +5210,8 @@ class _PGStore(_SQLStore):
 
         channel = _pg_channel(self._target)
 
-        def told(telling: bool | str) -> tuple[str, str]:  # (the notification's payload says: now)
-            return channel, _NOW if telling == _NOW else ""
+        def told(telling: bool | str) -> tuple[str, str]:  # (the notification's payload says: now, or asked)
+            return channel, telling if telling in (_NOW, _ASKED) else ""
 
         def transaction(raw: Any) -> T:
             deadline = time.monotonic() + self._busy_timeout
@@ -5453,7 +5516,7 @@ class _PGChanges(_Changes):
 
     pushed = True
     fresh_liveness = False  # ``owner_gone`` answers as of the last read of the runs
-    coalesce = 0.5  # (as on SQLite: what comes due is claimed on timers, changes told are read together)
+    coalesce = 0.5  # (what comes due is claimed on timers, changes told are read together; SQLite: 0.8)
 
     def __init__(
         self,
@@ -5462,9 +5525,11 @@ class _PGChanges(_Changes):
         loop: asyncio.AbstractEventLoop,
         on_change: Callable[[], None],
         on_now: Callable[[], None],
+        on_asked: Callable[[], None] | None = None,
     ):
         self._target, self._identity, self._loop, self._on_change = target, identity, loop, on_change
         self._on_now = on_now  #: called for a notification that a run was handed over, held or not
+        self._on_asked = on_asked or on_change  #: for one of a write told ``_ASKED``, held or not
         self._psycopg = _import_psycopg()
         self._count = 0  #: bumped at each notification and each new session (read on the loop)
         self._held = False  #: the loop reads changes later (``hold``): notifications are counted, not told
@@ -5625,12 +5690,14 @@ class _PGChanges(_Changes):
         """Read what the server sent: notifications (told to the loop), and the answer to the
         round trip asked at ``asked``; None once it is answered (or none was asked)."""
         pgconn.consume_input()
-        told, now = self._count, False
+        told, payloads = self._count, set()
         while (notification := pgconn.notifies()) is not None:
             self._count += 1
-            now = now or notification.extra == _NOW.encode()
-        if now:  # (a hand-over: read at once, not coalesced)
+            payloads.add(notification.extra)
+        if _NOW.encode() in payloads:  # (a hand-over: read at once, not coalesced)
             self._tell(self._on_now)
+        elif _ASKED.encode() in payloads:  # (read soon, not coalesced)
+            self._tell(self._on_asked)
         elif self._count != told and not self._held:  # (held: the loop reads them when it lets go)
             self._tell()
         while asked is not None and not pgconn.is_busy():
@@ -5821,8 +5888,9 @@ class _Postgres(_Backend):
         on_change: Callable[[], None],
         instance: str,
         on_gone: Callable[[], None] | None = None,
+        on_asked: Callable[[], None] | None = None,
     ) -> _Changes:
-        return _PGChanges(self._target, self._identity, loop, on_change, on_gone or on_change)
+        return _PGChanges(self._target, self._identity, loop, on_change, on_gone or on_change, on_asked or on_change)
 
 
 ###############################################################################
@@ -8416,11 +8484,16 @@ _END_WAIT = 0.1
 # starts what was won, instead of writing ends in the claims' way.
 _SWEEP_END_WAIT = 1.0
 _TIDY_GAP = 0.05  # seconds between two steps of the store's upkeep, when nothing is due sooner
+# What another process asks of every process (a trigger, a cancel, a pause, a resume) is read at once,
+# but this long (seconds) after the last read began at the soonest: a hundred triggers in a burst,
+# read one by one, made every process read twice a trigger.
+_ASKED_GAP = 0.2
 _TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before the next
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
 # as they come due; the others look this long after (seconds), and claim only what is still unclaimed
 # then (the first is frozen, stopping or gone), so that one claim is tried where every process tried.
-# Longer than the coalescing of reads (0.5 s): the first's claim is read before, and moves it on.
+# Longer than the coalescing of reads (0.8 s on SQLite, 0.5 s on PostgreSQL): the first's claim is read
+# before, and moves it on.
 _SECOND_LOOK = 1.0
 _PEERS_EVERY = 2.0  # seconds at least between two reads of which processes run and what they declare
 _CLAIM_BATCH = 100  # jobs claimed in one transaction (it holds the write lock: ~0.3 ms a job on SQLite)
@@ -8612,6 +8685,7 @@ class _Loop:
         self._watching = False  #: another process's run is watched with ``owner_gone`` as of that read
         self._reread = 0.0  #: then read again this long after that read (seconds)
         self._read_real = 0.0  #: when the last read began (real monotonic): what is told since waits ``coalesce``
+        self._asking: asyncio.TimerHandle | None = None  #: the look another process asked for (``_asked``)
         #: whether the last read found a run waiting to be claimed now (what is told next is read at once)
         self._claimable = False
         self._failing: str | None = None  #: the error of the last look, while looks fail
@@ -8632,6 +8706,19 @@ class _Loop:
         """Look at the store again at once, and read it whole (after our own writes, or to stop)."""
         self._dirty = True
         self._wake_up()
+
+    def _asked(self) -> None:
+        """Another process asks every process to act on its write (a trigger, a cancel, a pause or
+        a resume, which the store tells apart from claims and ends): look, and read the store whole,
+        at once, but ``_ASKED_GAP`` after the last read began at the soonest, so that a burst of them
+        (a script that triggers a hundred jobs) is read in a few reads, not one each."""
+        if self._asking is None:
+            later = max(self._read_real + _ASKED_GAP - time.monotonic(), 0.0)
+            self._asking = asyncio.get_running_loop().call_later(later, self._asked_now)
+
+    def _asked_now(self) -> None:
+        self._asking = None
+        self.poke()
 
     def rejoin(self) -> None:
         """Record what this process declares with it again (the declarations changed), and look."""
@@ -8719,7 +8806,9 @@ class _Loop:
         self._fresh()
         # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
         # connection that holds this process's lock), and no change after the join goes unseen.
-        self._watch = watch = self._link.backend.changes(loop, self._store_written, self.instance, self.poke)
+        self._watch = watch = self._link.backend.changes(
+            loop, self._store_written, self.instance, self.poke, self._asked
+        )
         watch.vouch_for(lambda: bool(runner.running), runner.lose)
         runner.started, runner.untidy = watch.attempt_started, self._look_again
         self._idle = _CLOCK_CHECK if watch.pushed else self._poll
@@ -8755,9 +8844,10 @@ class _Loop:
                 self.notify.close()
             watch.close()
             self._watch = None
-            if self._told is not None:
-                self._told.cancel()
-                self._told = None
+            for handle in (self._told, self._asking):
+                if handle is not None:
+                    handle.cancel()
+            self._told = self._asking = None
             timers.stop()
             heartbeats.stop()
             if self._link.open and joined:

@@ -294,8 +294,8 @@ class FaultyBackend(anarchon_lite._Backend):
         store = self.inner.loop_renewal()
         return None if store is None else _Wrapped(store, self.around)
 
-    def changes(self, loop, on_change, instance, on_gone=None):
-        changes = self.inner.changes(loop, on_change, instance, on_gone)
+    def changes(self, loop, on_change, instance, on_gone=None, on_asked=None):
+        changes = self.inner.changes(loop, on_change, instance, on_gone, on_asked)
         return _Wrapped(changes, self.changes_around) if self.changes_around else changes
 
 

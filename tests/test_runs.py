@@ -2051,9 +2051,18 @@ def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once
     def loses(original, *args, **kwargs):  # (b's claims of the pending run lose: a takes it)
         return None
 
+    a_may_claim = []
+
+    def a_claims(original, *args, **kwargs):  # (once b has read the run triggered, which a reads at once)
+        if a_may_claim:
+            return original(*args, **kwargs)
+        time.sleep(0.005)
+        return None
+
     async def main():
         # (told of changes, not polling: a store's watch holds what is told for later)
-        a, b = make(db, instance="a", poll=None), make(db, instance="b", poll=None, store=faulty(claim=loses))
+        a = make(db, instance="a", poll=None, store=faulty(claim=a_claims))
+        b = make(db, instance="b", poll=None, store=faulty(claim=loses))
         for s in (a, b):
 
             @s.every("long", "24h", offset=QUIET)
@@ -2063,11 +2072,15 @@ def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once
             s.every("other", "24h", lambda ctx: None, offset=QUIET)
         async with a, b:
             await wait_for(lambda: all(s._loop.ready is not None and s._loop.ready.is_set() for s in (a, b)))
-            if held:  # (another process's write, within the 30 s of b's last read: b holds it for later)
-                await make(db, instance="c").pause("other")
+            if held:  # (another process's writes, within the 30 s of b's last read: b holds them for later)
+                c = make(db, instance="c")
+                c.every("third", "24h", lambda ctx: None, offset=QUIET)
+                async with c:  # (its join and its leave: told, and not asked to be read at once)
+                    pass
                 await wait_for(lambda: b._loop._told is not None, message="b holds the change")
-            await b.trigger("long")  # (b looks at once; a is told, and would read it with what comes next)
+            await b.trigger("long")  # (b looks at once)
             await wait_for(lambda: runs_of(b) == [("pending", 0)], message="b reads the run triggered")
+            a_may_claim.append(1)
             a._loop.poke()
             await wait_for(lambda: runs_of(a) == [("running", 1)], message="a claims it and reads its claim")
             await wait_for(lambda: runs_of(b) == [("running", 1)], message="b reads the claim")
