@@ -186,8 +186,9 @@ class JobOptions(TypedDict, total=False):
 #: Whether a write tells the others: always, or by its result. ``_NOW`` also says that a run was
 #: handed over, to be claimed now, which a store that can say so has read at once (not coalesced);
 #: ``_ASKED``, that another process asks every process to act on it (a trigger, a cancel, a pause, a
-#: resume), which is read soon (``_ASKED_GAP``). (SQLite: a hand-over closes the process's liveness
-#: socket, and what is asked touches the file's times, ``_FileWatch``; PostgreSQL: the payload.)
+#: resume), which is read soon (``_ASKED_GAP``). (PostgreSQL: the payload. SQLite: both touch the
+#: file's times, ``_FileWatch``, read soon; a hand-over is also told at once when the process that
+#: stops closes its liveness socket, after the last of its runs is handed over.)
 _Telling = Union[bool, str, Callable[[T], Union[bool, str]]]
 _NOW = "now"
 _ASKED = "asked"
@@ -4015,14 +4016,15 @@ class _SQLiteFile(_SQLStore):
                 raise StoreError(self.path, self._explain(exc)) from None
             raise
         self._committed()
-        if notify == _ASKED or (callable(notify) and notify(result) == _ASKED):
+        if notify in (_ASKED, _NOW) or (callable(notify) and notify(result) in (_ASKED, _NOW)):
             self._ask()
         return result
 
     def _ask(self) -> None:
         """Have the other processes read what was just committed soon, not coalesced: the database
-        file's times touched, which their ``_FileWatch`` tells at once (no commit changes them).
-        Without the right to (another user's file, shared), they read it within ``coalesce``."""
+        file's times touched, which their ``_FileWatch`` tells at once (no commit changes them; any
+        process that may write the file may set them to now). Where they cannot be set (a file
+        system that refuses it, an immutable file), the others read the change within ``coalesce``."""
         try:
             os.utime(_real_path(self.path), follow_symlinks=False)
         except (OSError, StoreError):
@@ -4504,38 +4506,43 @@ class _FileWatch:
     ) -> _FileWatch | None:
         if not sys.platform.startswith("linux"):
             return None
-        fds: list[int] = []
+        path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
         try:
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)
-            for _ in range(2):
-                fds.append(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
-                if fds[-1] < 0:
-                    raise OSError("no inotify")
-            path = _real_path(path)  # the -wal file that commits touch lives beside the file itself
-            directory = os.fsencode(os.path.dirname(os.path.abspath(path)))
-            if libc.inotify_add_watch(fds[0], directory, cls._NAMES) < 0:
-                raise OSError("no watch")
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         except (OSError, AttributeError):
-            for fd in fds:
-                if fd >= 0:
-                    os.close(fd)
             return None
-        watch = cls((fds[0], fds[1]), libc, loop, os.path.abspath(path), on_change, on_asked or on_change)
+        if fd < 0:
+            return None
+        if libc.inotify_add_watch(fd, os.fsencode(os.path.dirname(os.path.abspath(path))), cls._NAMES) < 0:
+            os.close(fd)
+            return None
+        # (none left for the watch of what is asked, ``max_user_instances``: the -wal's is kept)
+        asked_fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        watch = cls((fd, asked_fd), libc, loop, os.path.abspath(path), on_change, on_asked or on_change)
         watch._watch_wal()
         watch._watch_file()
-        loop.add_reader(fds[0], watch._read)
-        loop.add_reader(fds[1], watch._read_asked)
+        loop.add_reader(fd, watch._read)
+        if asked_fd >= 0:
+            loop.add_reader(asked_fd, watch._read_asked)
         return watch
+
+    @property
+    def asks(self) -> bool:
+        """Whether what another process asks is told apart (``on_asked``)."""
+        return self._asked_fd >= 0
 
     def _watch_wal(self) -> None:
         """Watch the -wal as it is now (the same watch again if it is the same file)."""
         self._wal_wd = self._libc.inotify_add_watch(self._fd, self._wal, self._IN_MODIFY)
 
     def _watch_file(self) -> None:
-        """Watch the database file's times as it is now (the file made anew: the new one)."""
-        self._libc.inotify_add_watch(self._asked_fd, self._file, self._IN_ATTRIB)
+        """Watch the database file's times as it is now (the file made anew: the new one; none yet:
+        when its name is made)."""
+        if self._asked_fd >= 0:
+            self._libc.inotify_add_watch(self._asked_fd, self._file, self._IN_ATTRIB)
 
     def _read_asked(self) -> None:
         told = False
@@ -4595,8 +4602,9 @@ class _FileWatch:
 
     def close(self) -> None:
         for fd in (self._fd, self._asked_fd):
-            self._loop.remove_reader(fd)
-            os.close(fd)
+            if fd >= 0:
+                self._loop.remove_reader(fd)
+                os.close(fd)
 
 
 class _SQLiteChanges(_Changes):
@@ -4635,10 +4643,21 @@ class _SQLiteChanges(_Changes):
             raise
         except StoreError:
             pass  # (the scheduler's own connection says why, and tries again)
-        self._files = None if poll else _FileWatch.start(path, loop, on_change, on_asked)
+        self._files: _FileWatch | None = None
+        live: _Liveness | None = None
+        try:
+            self._files = None if poll else _FileWatch.start(path, loop, on_change, on_asked)
+            live = _Liveness(path, loop, on_gone or on_change, shared_group)  # (an owner's end: at once)
+            live.listen(_this_owner(instance))
+        except BaseException:  # (refused: nothing left open, nor reading on the loop)
+            for part in (live, self._files, self._store):
+                if part is not None:
+                    part.close()
+            raise
+        self._live = live
+        if self._files is not None and not self._files.asks:
+            self.coalesce = 0.5  # (what is asked is read with the rest: within 1 s all the same)
         self._compared = -math.inf  # (when ``lost`` last compared the files, on time.monotonic)
-        self._live = _Liveness(path, loop, on_gone or on_change, shared_group)  # (an owner's end: at once)
-        self._live.listen(_this_owner(instance))
 
     @property
     def pushed(self) -> bool:
@@ -8712,6 +8731,9 @@ class _Loop:
         a resume, which the store tells apart from claims and ends): look, and read the store whole,
         at once, but ``_ASKED_GAP`` after the last read began at the soonest, so that a burst of them
         (a script that triggers a hundred jobs) is read in a few reads, not one each."""
+        if self._backing_off or self._watch is None:  # (as ``_store_written``: the back-off is waited for)
+            self._written = True
+            return
         if self._asking is None:
             later = max(self._read_real + _ASKED_GAP - time.monotonic(), 0.0)
             self._asking = asyncio.get_running_loop().call_later(later, self._asked_now)

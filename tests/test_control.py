@@ -2,7 +2,9 @@
 over; leases running out and takeover; a store that fails or cannot be used; listeners."""
 
 import asyncio
+import ctypes
 import logging
+import os
 import select
 import sqlite3
 import threading
@@ -515,9 +517,10 @@ def test_what_another_process_asks_is_read_at_once_however_long_reads_are_coales
 
 
 def test_changes_told_in_a_burst_are_read_together(db):
-    """A process told of a hundred triggers in a burst (on PostgreSQL every commit is told to every
-    process, NOTIFY; what is asked of every process is told apart on both stores) reads them at most
-    once every 50 ms, not once each, and still sees the last of them."""
+    """A process told of a hundred pauses and resumes in a burst (on PostgreSQL every commit is told
+    to every process, NOTIFY; what is asked of every process is told apart on both stores) reads
+    them at most once every 50 ms, not once each, and still sees the last of them. (Not triggers:
+    a process reads and claims each run triggered of its jobs as it comes.)"""
     reads = []
 
     def counted(original, *args):
@@ -529,12 +532,11 @@ def test_changes_told_in_a_burst_are_read_together(db):
         b = make(db, instance="b", poll=None, store=faulty(runs=counted))
         for s in (a, b):
             s.every("burst", "24h", lambda ctx: None, offset=QUIET)
-        await a.pause("burst")  # (the triggered runs stay pending: b reads them, runs nothing)
         async with b:
             await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b ready")
             began = time.monotonic()
-            for _ in range(100):
-                await a.trigger("burst")
+            for n in range(100):
+                await (a.pause if n % 2 == 0 else a.resume)("burst")
             ended = time.monotonic()
             await wait_for(lambda: reads and reads[-1] > ended, message="b to read the last")
         during = [t for t in reads if began <= t <= ended]
@@ -571,6 +573,153 @@ def test_a_run_handed_over_is_read_at_once_by_a_process_whose_changes_are_held(d
                 await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b read")
                 await a.stop(grace=1)
                 await wait_for(lambda: ("b", 2) in started, message="attempt 2 on b")
+
+    run(main(), timeout=60)
+
+
+def test_a_run_handed_over_while_the_process_drains_another_is_read_before_that_one_ends(db, monkeypatch):
+    """A stopping process hands each run over as its handler returns, and another process reads
+    it at once (though its reads are coalesced, here for an hour), not once the stopping process
+    has drained its other runs: on SQLite a hand-over was read only when the stopping process's
+    liveness socket closed, after its last run, or with the coalesced reads (found by a review)."""
+    for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
+        monkeypatch.setattr(watch, "coalesce", 3600.0)
+    clock = ManualClock()  # (no read of the runs comes due by itself)
+    started, release = [], asyncio.Event()
+
+    async def export(ctx):
+        started.append((ctx.instance, ctx.attempt))
+        if ctx.attempt == 1:
+            await ctx.signal.sleep(3600)  # (raises Shutdown at the stop: handed over)
+
+    async def slow(ctx):
+        if ctx.instance == "a":
+            try:
+                await ctx.signal.wait()
+            finally:
+                await release.wait()  # (its grace, taken until the test lets it go)
+
+    async def main():
+        a = make(db, instance="a", clock=clock, poll=None)
+        b = make(db, instance="b", clock=clock, poll=None)
+        for s in (a, b):
+            s.every("export", "24h", export, offset=QUIET)
+            s.every("slow", "24h", slow, offset=QUIET)
+        try:
+            async with a:
+                await a.trigger("export")
+                await a.trigger("slow")
+                await wait_for(lambda: len(a._loop.runner.running) == 2, message="both runs on a")
+                async with b:
+                    await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b read")
+                    stopping = asyncio.ensure_future(a.stop(grace=60))
+                    await wait_for(lambda: ("b", 2) in started, message="attempt 2 of export on b, slow still on a")
+                    release.set()
+                    await stopping
+        finally:
+            release.set()
+
+    run(main(), timeout=60)
+
+
+def _inotify_descriptors() -> int:
+    """How many inotify descriptors this process holds."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:inotify"
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.sqlite_only  # (the file watch is SQLite's)
+def test_a_start_refused_leaves_no_watch_open(tmp_path):
+    """A scheduler refused as it starts (here its liveness directory may be written by every user)
+    leaves no inotify descriptor open, nor reading on the event loop: each refused start left two
+    (found by a review)."""
+    db = str(tmp_path / "jobs.db")
+    anarchon_lite._SQLiteStore(db).close()
+    os.mkdir(db + "-live")
+    os.chmod(db + "-live", 0o777)
+
+    async def main():
+        s = make(db, poll=None)
+        s.every("x", "24h", lambda ctx: None, offset=QUIET)
+        before = _inotify_descriptors()
+        for _ in range(3):
+            with pytest.raises(StoreError, match="liveness"):
+                await s.run()
+        assert _inotify_descriptors() == before
+
+    run(main())
+
+
+@pytest.mark.sqlite_only  # (the file watch is SQLite's)
+def test_a_process_without_a_second_inotify_descriptor_keeps_the_watch_of_the_wal(tmp_path, monkeypatch):
+    """Without a second inotify descriptor (the user's ``max_user_instances`` reached), the watch
+    of what another process asks is gone, not the watch of the -wal: the process is still woken by
+    commits, and reads the others' changes every 0.5 s, as before they were told apart."""
+    db = str(tmp_path / "jobs.db")
+    anarchon_lite._SQLiteStore(db).close()
+    real = ctypes.CDLL(None, use_errno=True)
+
+    class SecondRefused:  # (libc, whose second inotify_init1 fails: EMFILE)
+        made = 0
+
+        def inotify_init1(self, flags):
+            self.made += 1
+            return -1 if self.made == 2 else real.inotify_init1(flags)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    libc = SecondRefused()
+    monkeypatch.setattr(ctypes, "CDLL", lambda *args, **kwargs: libc)
+    loop = asyncio.new_event_loop()
+    try:
+        changes = anarchon_lite._SQLiteChanges(db, anarchon_lite.Clock(), loop, lambda: None, False, "me")
+        try:
+            assert changes.pushed and not changes._files.asks
+            assert changes.coalesce == 0.5 and anarchon_lite._SQLiteChanges.coalesce == 0.8
+        finally:
+            changes.close()
+    finally:
+        loop.close()
+
+
+def test_what_is_asked_waits_for_the_back_off_of_a_failing_process(db):
+    """While its looks fail, a process backs off (0.5 s doubling to 5 s) whatever the others write;
+    what another process asks (here a pause) waits for the back-off too: it planned a look of its
+    own, and a failing process looked about five times a second (found by a review)."""
+    failing, planned = [], []
+
+    def runs(original, *args):
+        if failing:
+            raise StoreError(db, "the runs cannot be read (injected)")
+        return original(*args)
+
+    async def main():
+        b = make(db, instance="b", poll=None, store=faulty(runs=runs))
+        a = make(db, instance="a")
+        for s in (a, b):
+            s.every("x", "24h", lambda ctx: None, offset=QUIET)
+        asked = b._loop._asked
+
+        def noted():
+            asked()
+            planned.append(b._loop._asking is not None)
+
+        b._loop._asked = noted  # (before it starts: the watch is given the method)
+        async with b:
+            await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b looking")
+            failing.append(1)
+            b._loop.poke()
+            await wait_for(lambda: b._loop._backing_off, message="b backing off")
+            await a.pause("x")
+            await wait_for(lambda: planned, message="the pause, told to b")
+            failing.clear()
+        assert planned[0] is False
 
     run(main(), timeout=60)
 
