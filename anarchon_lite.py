@@ -4616,8 +4616,9 @@ class _SQLiteChanges(_Changes):
 
     #: Every commit of every process appends to the -wal and wakes every watcher: a busy store's
     #: changes are read at most this often by each process (its own writes and an owner's end at
-    #: once, what is asked of it soon: ``_ASKED``); a process claims what comes due on its own timers, not on these
-    #: reads. Under ``_SECOND_LOOK``: these reads are what tell a second look that the first claimed.
+    #: once, what is asked of it soon: ``_ASKED``); a process claims what comes due on its own
+    #: timers, not on these reads. Under ``_SECOND_LOOK``: these reads are what tell a second look
+    #: that the first process claimed. (0.5 s without the watch of what is asked.)
     coalesce = 0.8
     #: The files at the path are compared with those opened at most this often (a busy process
     #: looks several times an occurrence: three stat calls each), and at once when the watch
@@ -8503,11 +8504,11 @@ _END_WAIT = 0.1
 # starts what was won, instead of writing ends in the claims' way.
 _SWEEP_END_WAIT = 1.0
 _TIDY_GAP = 0.05  # seconds between two steps of the store's upkeep, when nothing is due sooner
+_TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before the next
 # What another process asks of every process (a trigger, a cancel, a pause, a resume) is read at once,
 # but this long (seconds) after the last read began at the soonest: a hundred triggers in a burst,
 # read one by one, made every process read twice a trigger.
 _ASKED_GAP = 0.2
-_TIDY_RETRY = 5.0  # seconds after a failed step of the store's upkeep before the next
 # Of the processes declaring a job, one is its first (``_first_of``): it claims the job's occurrences
 # as they come due; the others look this long after (seconds), and claim only what is still unclaimed
 # then (the first is frozen, stopping or gone), so that one claim is tried where every process tried.

@@ -585,21 +585,23 @@ def test_a_run_handed_over_while_the_process_drains_another_is_read_before_that_
     for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
         monkeypatch.setattr(watch, "coalesce", 3600.0)
     clock = ManualClock()  # (no read of the runs comes due by itself)
-    started, release = [], asyncio.Event()
+    started = []
 
     async def export(ctx):
         started.append((ctx.instance, ctx.attempt))
         if ctx.attempt == 1:
             await ctx.signal.sleep(3600)  # (raises Shutdown at the stop: handed over)
 
-    async def slow(ctx):
-        if ctx.instance == "a":
-            try:
-                await ctx.signal.wait()
-            finally:
-                await release.wait()  # (its grace, taken until the test lets it go)
-
     async def main():
+        release = asyncio.Event()  # (made on the running loop: Python 3.9 binds it at birth)
+
+        async def slow(ctx):
+            if ctx.instance == "a":
+                try:
+                    await ctx.signal.wait()
+                finally:
+                    await release.wait()  # (its grace, taken until the test lets it go)
+
         a = make(db, instance="a", clock=clock, poll=None)
         b = make(db, instance="b", clock=clock, poll=None)
         for s in (a, b):
