@@ -299,6 +299,13 @@ class FaultyBackend(anarchon_lite._Backend):
         return _Wrapped(changes, self.changes_around) if self.changes_around else changes
 
 
+def coalesced(monkeypatch, seconds: float) -> None:
+    """Every store's watch reads what other processes tell (claims, ends) at most every
+    ``seconds`` (its ``coalesce``): a read it would wait for does not come within a test."""
+    for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
+        monkeypatch.setattr(watch, "coalesce", seconds)
+
+
 def faulty(**around):
     """A ``store=`` for ``Scheduler``: the store it would open, with the named methods of its stores
     run through ``around`` (``inner(original, *args)``)."""

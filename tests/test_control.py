@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, ManualClock, counting_looks, faulty, run, wait_for
+from conftest import QUIET, ManualClock, coalesced, counting_looks, faulty, run, wait_for
 from schedulers import (
     HOUR,
     aligned,
@@ -477,8 +477,7 @@ def test_what_another_process_asks_is_read_at_once_however_long_reads_are_coales
     is read at once by a running process, not with the others' claims and ends it reads together
     (every ``coalesce``, made an hour here): the store tells it apart (SQLite: the database file's
     times touched; PostgreSQL: the notification's payload)."""
-    for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
-        monkeypatch.setattr(watch, "coalesce", 3600.0)
+    coalesced(monkeypatch, 3600.0)
     started, aborted = [], []
 
     async def main():
@@ -545,45 +544,15 @@ def test_changes_told_in_a_burst_are_read_together(db):
     run(main(), timeout=60)
 
 
-def test_a_run_handed_over_is_read_at_once_by_a_process_whose_changes_are_held(db, monkeypatch):
-    """A stopping process that hands its run over says so, and another process reads it at once,
-    though the changes told it wait for the coalescing (here an hour): on PostgreSQL it read them
-    only then, or at its next read of the runs, and a hand-over took 0.33 s (p50), up to 0.51 s.
-    (PostgreSQL: the notification's payload; SQLite: the file's times touched, and the stopping
-    process's liveness socket closed.)"""
-    for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
-        monkeypatch.setattr(watch, "coalesce", 3600.0)
-    clock = ManualClock()  # (no read of the runs comes due by itself)
-    started = []
-
-    async def export(ctx):
-        started.append((ctx.instance, ctx.attempt))
-        if ctx.attempt == 1:
-            await ctx.signal.sleep(3600)  # (raises Shutdown at the stop: handed over)
-
-    async def main():
-        a = make(db, instance="a", clock=clock, poll=None)
-        b = make(db, instance="b", clock=clock, poll=None)
-        for s in (a, b):
-            s.every("export", "24h", export, offset=QUIET)
-        async with a:
-            await a.trigger("export")
-            await wait_for(lambda: started == [("a", 1)], message="attempt 1 on a")
-            async with b:
-                await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b read")
-                await a.stop(grace=1)
-                await wait_for(lambda: ("b", 2) in started, message="attempt 2 on b")
-
-    run(main(), timeout=60)
-
-
-def test_a_run_handed_over_while_the_process_drains_another_is_read_before_that_one_ends(db, monkeypatch):
+@pytest.mark.parametrize("draining", [False, True], ids=["", "while it drains another run"])
+def test_a_run_handed_over_is_read_at_once_by_a_process_whose_changes_are_held(db, monkeypatch, draining):
     """A stopping process hands each run over as its handler returns, and another process reads
-    it at once (though its reads are coalesced, here for an hour), not once the stopping process
-    has drained its other runs: on SQLite a hand-over was read only when the stopping process's
-    liveness socket closed, after its last run, or with the coalesced reads (found by a review)."""
-    for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
-        monkeypatch.setattr(watch, "coalesce", 3600.0)
+    it at once, though the changes told it wait for the coalescing (here an hour): on PostgreSQL it
+    read them only then, or at its next read of the runs, and a hand-over took 0.33 s (p50), up to
+    0.51 s; on SQLite, only when the stopping process's liveness socket closed, after it drained its
+    other runs (found by a review). (PostgreSQL: the notification's payload; SQLite: the file's
+    times touched, and the liveness socket.)"""
+    coalesced(monkeypatch, 3600.0)
     clock = ManualClock()  # (no read of the runs comes due by itself)
     started = []
 
@@ -610,12 +579,13 @@ def test_a_run_handed_over_while_the_process_drains_another_is_read_before_that_
         try:
             async with a:
                 await a.trigger("export")
-                await a.trigger("slow")
-                await wait_for(lambda: len(a._loop.runner.running) == 2, message="both runs on a")
+                if draining:
+                    await a.trigger("slow")
+                await wait_for(lambda: len(a._loop.runner.running) == 1 + draining, message="the runs on a")
                 async with b:
                     await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="b read")
                     stopping = asyncio.ensure_future(a.stop(grace=60))
-                    await wait_for(lambda: ("b", 2) in started, message="attempt 2 of export on b, slow still on a")
+                    await wait_for(lambda: ("b", 2) in started, message="attempt 2 of export on b (slow still on a)")
                     release.set()
                     await stopping
         finally:

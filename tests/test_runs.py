@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import QUIET, FaultyBackend, counting_looks, faulty, run, wait_for
+from conftest import QUIET, FaultyBackend, coalesced, counting_looks, faulty, run, wait_for
 from schedulers import (
     HOUR,
     aligned,
@@ -2042,8 +2042,7 @@ def test_a_process_that_read_a_run_waiting_to_be_claimed_reads_its_claim_at_once
     in ten or fifteen took 0.2-0.5 s instead of 5 ms. A change told before, which the process was
     holding for later (its watch held meanwhile), is read then too. (``coalesce`` made 30 s here:
     the read it would wait for does not come within the test.)"""
-    for watch in (anarchon_lite._SQLiteChanges, anarchon_lite._PGChanges):
-        monkeypatch.setattr(watch, "coalesce", 30.0)
+    coalesced(monkeypatch, 30.0)
 
     def runs_of(s):
         return [(r.state, r.attempt) for r in s._loop._runs or [] if r.job == "long"]
