@@ -575,7 +575,7 @@ def test_a_run_handed_over_is_read_at_once_by_a_process_whose_changes_are_held(d
         b = make(db, instance="b", clock=clock, poll=None)
         for s in (a, b):
             s.every("export", "24h", export, offset=QUIET)
-            s.every("slow", "24h", slow, offset=QUIET)
+            s.every("slow", "24h", slow, offset=QUIET, grace="1h")  # (not cancelled after the 10 s default)
         try:
             async with a:
                 await a.trigger("export")
