@@ -4310,7 +4310,10 @@ class _SQLiteStore(_SQLiteFile):
             self._alive.close()
 
     def leave(self, instance: str) -> None:
-        self._write(lambda conn: (conn.execute(_SQL_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
+        self._write(
+            lambda conn: (conn.execute(_SQL_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))),
+            notify=_ASKED,  # (the others read who runs at once: ``_Loop._asked``)
+        )
         board = self._the_board()
         if board is not None:
             board.leave(self._member(instance))
@@ -5363,7 +5366,10 @@ class _PGStore(_SQLStore):
         return run.gone
 
     def leave(self, instance: str) -> None:
-        self._write(lambda conn: (conn.execute(_PG_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))))
+        self._write(
+            lambda conn: (conn.execute(_PG_LEAVE, (instance,)), conn.execute(_SQL_UNDECLARE, (instance,))),
+            notify=_ASKED,  # (the others read who runs at once: ``_Loop._asked``)
+        )
 
 
 def _pg_channel(target: _PGTarget) -> str:
@@ -8728,10 +8734,13 @@ class _Loop:
         self._wake_up()
 
     def _asked(self) -> None:
-        """Another process asks every process to act on its write (a trigger, a cancel, a pause or
-        a resume, which the store tells apart from claims and ends): look, and read the store whole,
-        at once, but ``_ASKED_GAP`` after the last read began at the soonest, so that a burst of them
-        (a script that triggers a hundred jobs) is read in a few reads, not one each."""
+        """Another process asks every process to act on its write (a trigger, a cancel, a pause, a
+        resume, or its leaving, which the store tells apart from claims and ends): look, and read the
+        store whole and who runs on it, at once, but ``_ASKED_GAP`` after the last read began at the
+        soonest, so that a burst of them (a script that triggers a hundred jobs) is read in a few
+        reads, not one each. (A process that left was first of some jobs, whose occurrences each
+        waited for a second look until the next read of who runs, up to ``_PEERS_EVERY`` later.)"""
+        self._peers_at = -math.inf
         if self._backing_off or self._watch is None:  # (as ``_store_written``: the back-off is waited for)
             self._written = True
             return
@@ -8756,6 +8765,12 @@ class _Loop:
     def _wake_up(self) -> None:
         self._written = True
         self._look_again()
+
+    def _gone(self) -> None:
+        """A process ended (its liveness socket closed) or handed a run over (it stops): look, and
+        read the store and who runs on it, at once (``_asked``)."""
+        self._peers_at = -math.inf
+        self.poke()
 
     def _look_again(self) -> None:
         """End the sleep and look again after it (a write left the store upkeep: ``_Store.tidy``,
@@ -8830,7 +8845,7 @@ class _Loop:
         # Watch for changes before joining: the watch may be what joining needs (PostgreSQL: the
         # connection that holds this process's lock), and no change after the join goes unseen.
         self._watch = watch = self._link.backend.changes(
-            loop, self._store_written, self.instance, self.poke, self._asked
+            loop, self._store_written, self.instance, self._gone, self._asked
         )
         watch.vouch_for(lambda: bool(runner.running), runner.lose)
         runner.started, runner.untidy = watch.attempt_started, self._look_again

@@ -18,6 +18,7 @@ import os
 import signal
 import sqlite3
 import sys
+import threading
 import time
 from typing import Any
 
@@ -212,6 +213,7 @@ async def main() -> None:
     while scheduler._loop.ready is None or not scheduler._loop.ready.is_set():
         await asyncio.sleep(0.01)
     emit("ready", module=anarchon_lite.__file__)
+    emit("threads", names={t.native_id: t.name.split("-vm-")[0] for t in threading.enumerate()})
     await runner
     if STARTS:
         emit("starts", starts=STARTS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import datetime as dt
@@ -1486,6 +1487,103 @@ def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = Fals
         "missed": missed,
         "lateness_p50_ms": percentile(late, 50),
         "lateness_p99_ms": percentile(late, 99),
+    }
+
+
+def fleet_shares(processes: int, jobs: int, seconds: float) -> dict[str, Any]:
+    """The sweep's workload (``sweep_one``) on ``processes`` processes: where the fleet's CPU goes.
+    Each process's CPU and wake-ups a second, by thread (the scheduler's precise run time of each
+    thread, ``/proc/PID/task/TID/schedstat``), and the occurrences it started; the processes that
+    started none show what a process costs only by being in the fleet (it reads the others'
+    changes and who runs), and ``baseline_ms`` is that cost times the processes, per occurrence."""
+    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
+        fleet.stderr = subprocess.DEVNULL
+        fleet.start(processes)
+        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
+        names = {e["pid"]: e["names"] for e in fleet.events() if e["event"] == "threads"}
+
+        def sample() -> dict[int, dict[str, tuple[float, int]]]:
+            return {p.pid: _threads_by_name(p.pid, names.get(p.pid, {})) for p in fleet.procs}
+
+        before, begin = sample(), time.time()
+        time.sleep(seconds)
+        after, end = sample(), time.time()
+        fleet.stop()
+        starts = collections.Counter(
+            e["pid"] for e in fleet.events() if e["event"] == "starts" for s in e["starts"] if begin <= s[2] < end
+        )
+    span, each = end - begin, []
+    for pid, threads in after.items():
+        was = before[pid]
+        cpu = {name: (ns - was.get(name, (0, 0))[0]) / 1e6 / span for name, (ns, _) in sorted(threads.items())}
+        wakes = {name: (n - was.get(name, (0, 0))[1]) / span for name, (_, n) in sorted(threads.items())}
+        each.append(
+            {
+                "starts_a_second": starts[pid] / span,
+                "cpu_ms_a_second": sum(cpu.values()),
+                "cpu_ms_a_second_by_thread": cpu,
+                "wakeups_a_second_by_thread": wakes,
+            }
+        )
+    each.sort(key=lambda p: (p["starts_a_second"], p["cpu_ms_a_second"]))
+    idle = [p["cpu_ms_a_second"] for p in each if not p["starts_a_second"]]
+    occurrences = max(sum(starts.values()), 1) / span
+    return {
+        "processes": processes,
+        "occurrences_a_second": occurrences,
+        "cpu_per_occurrence_ms": sum(p["cpu_ms_a_second"] for p in each) / occurrences,
+        "idle_processes": len(idle),
+        "idle_cpu_ms_a_second": statistics.median(idle) if idle else None,
+        "baseline_ms": statistics.median(idle) * processes / occurrences if idle else None,
+        "each": each,
+    }
+
+
+def _threads_by_name(pid: int, names: dict[str, str]) -> dict[str, tuple[float, int]]:
+    """The run time (ns) and voluntary context switches of the threads of ``pid``, by name
+    (``names``: by native id, as the worker told them; ``other`` for one it did not)."""
+    counts: dict[str, tuple[float, int]] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as handle:
+                ran = float(handle.read().split()[0])
+            with open(f"/proc/{pid}/task/{task}/status") as handle:
+                switches = sum(int(line.split()[1]) for line in handle if line.startswith("voluntary_ctxt_switches"))
+        except FileNotFoundError:
+            continue  # (a thread that ended meanwhile)
+        name = names.get(task, "other")
+        had = counts.get(name, (0.0, 0))
+        counts[name] = (had[0] + ran, had[1] + switches)
+    return counts
+
+
+def stop_in_a_sweep(processes: int, jobs: int, window: float = 5.0) -> dict[str, Any]:
+    """The sweep's workload (``sweep_one``: ``jobs`` jobs every second, spread over it) on
+    ``processes`` processes, and one of them stopped (SIGTERM) once all are looking: of the
+    occurrences due in the ``window`` seconds after the stop, how many started, how late (p50,
+    p99, max), and how many were recorded ``missed``."""
+    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
+        fleet.stderr = subprocess.DEVNULL
+        fleet.start(processes)
+        time.sleep(10.0 + jobs / 1000)  # (every process declared, looking, and knowing the others)
+        stopped = time.time()
+        fleet.procs[0].send_signal(signal.SIGTERM)
+        time.sleep(window + 3.0)  # (the last occurrences of the window started, or recorded)
+        fleet.stop()
+        begin, end = int(stopped * 1000), int((stopped + window) * 1000)
+        missed = query(
+            fleet.db, f"SELECT count(*) FROM history WHERE status = 'missed' AND slot >= {begin} AND slot < {end}"
+        )
+        starts = [s for e in fleet.events() if e["event"] == "starts" for s in e["starts"] if begin <= s[1] < end]
+    late = [s[3] * 1000 for s in starts]
+    return {
+        "processes": processes,
+        "due": round(jobs * window),
+        "started": len(starts),
+        "missed": missed[0][0],
+        "late_p50_ms": percentile(late, 50),
+        "late_p99_ms": percentile(late, 99),
+        "late_max_ms": max(late, default=float("nan")),
     }
 
 

@@ -105,6 +105,28 @@ def test_a_process_that_joined_just_after_another_read_who_runs_is_known_to_it_w
     run(main())
 
 
+def test_a_process_that_leaves_is_known_gone_to_the_others_at_once(db, clock):
+    """A process that stops tells the others of its leaving as of a trigger (``_ASKED``), and they
+    read who runs at once, not ``_PEERS_EVERY`` after their last read of it: the jobs it ran first
+    have another first then (until then each of their occurrences waited for a second look)."""
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2)  # (nothing comes due)
+
+    async def main():
+        # (told of changes, not polling: what is told is what this is about)
+        a, b = make(db, clock, instance="a", poll=None), make(db, clock, instance="b", poll=None)
+        for s in (a, b):
+            s.every("hourly", "1h", lambda ctx: None)
+        async with b:
+            async with a:
+                await _know_each_other(a, b, clock=clock)
+            # (the clock stands still: b reads who runs again only because it was told)
+            await wait_for(lambda: set(b._loop._peers) == {"b"}, message="b read that a left")
+            assert b._loop._is_first("hourly")
+
+    run(main())
+
+
 def test_each_occurrence_is_claimed_by_its_first_process_alone(db, clock):
     aligned(clock, HOUR)
     clock.advance(-HOUR / 2)
