@@ -1559,15 +1559,18 @@ def _threads_by_name(pid: int, names: dict[str, str]) -> dict[str, tuple[float, 
 
 def stop_in_a_sweep(processes: int, jobs: int, window: float = 5.0) -> dict[str, Any]:
     """The sweep's workload (``sweep_one``: ``jobs`` jobs every second, spread over it) on
-    ``processes`` processes, and one of them stopped (SIGTERM) once all are looking: of the
-    occurrences due in the ``window`` seconds after the stop, how many started, how late (p50,
-    p99, max), and how many were recorded ``missed``."""
+    ``processes`` processes, and the one that ran most of the last 3 s stopped (SIGTERM) once all
+    are looking: of the occurrences due in the ``window`` seconds after the stop, how many started,
+    how late (p50, p99, max), and how many were recorded ``missed``."""
     with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
         fleet.stderr = subprocess.DEVNULL
         fleet.start(processes)
         time.sleep(10.0 + jobs / 1000)  # (every process declared, looking, and knowing the others)
+        since = int((time.time() - 3.0) * 1000)
+        ran = query(fleet.db, f"SELECT instance, count(*) FROM history WHERE slot >= {since} GROUP BY instance")
+        busiest = max(ran, key=lambda row: row[1])[0]  # (an instance is named host-pid-suffix)
         stopped = time.time()
-        fleet.procs[0].send_signal(signal.SIGTERM)
+        next(p for p in fleet.procs if p.pid == int(busiest.split("-")[-2])).send_signal(signal.SIGTERM)
         time.sleep(window + 3.0)  # (the last occurrences of the window started, or recorded)
         fleet.stop()
         begin, end = int(stopped * 1000), int((stopped + window) * 1000)
@@ -1578,6 +1581,7 @@ def stop_in_a_sweep(processes: int, jobs: int, window: float = 5.0) -> dict[str,
     late = [s[3] * 1000 for s in starts]
     return {
         "processes": processes,
+        "stopped_ran": max(row[1] for row in ran) / 3.0,  # (occurrences a second, before the stop)
         "due": round(jobs * window),
         "started": len(starts),
         "missed": missed[0][0],
