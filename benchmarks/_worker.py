@@ -213,7 +213,8 @@ async def main() -> None:
     while scheduler._loop.ready is None or not scheduler._loop.ready.is_set():
         await asyncio.sleep(0.01)
     emit("ready", module=anarchon_lite.__file__)
-    emit("threads", names={t.native_id: t.name.split("-vm-")[0] for t in threading.enumerate()})
+    suffix = f"-{scheduler._loop.instance}"  # (the scheduler's threads are named after the process)
+    emit("threads", names={t.native_id: t.name.replace(suffix, "") for t in threading.enumerate()})
     await runner
     if STARTS:
         emit("starts", starts=STARTS)
