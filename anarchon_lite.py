@@ -8719,6 +8719,9 @@ class _Loop:
         self._peers: dict[str, frozenset[str]] = {}  #: the running processes and what they declare, as last read
         self._peers_key: _Who = ()  #: who they were, to tell a change
         self._peers_at = -math.inf  #: when they were last read (monotonic)
+        #: how often a process's leaving or end was told (``_peers_anew``): a read of who runs begun
+        #: before one may not have seen it, and leaves them to be read again
+        self._peers_told = 0
         #: a read since left them unread (read less than ``_PEERS_EVERY`` before): read them once that passed
         self._peers_unread = False
         self._first: dict[str, bool] = {}  #: whether this process is each job's first, among these peers
@@ -8740,7 +8743,7 @@ class _Loop:
         soonest, so that a burst of them (a script that triggers a hundred jobs) is read in a few
         reads, not one each. (A process that left was first of some jobs, whose occurrences each
         waited for a second look until the next read of who runs, up to ``_PEERS_EVERY`` later.)"""
-        self._peers_at = -math.inf
+        self._peers_anew()
         if self._backing_off or self._watch is None:  # (as ``_store_written``: the back-off is waited for)
             self._written = True
             return
@@ -8769,8 +8772,13 @@ class _Loop:
     def _gone(self) -> None:
         """A process ended (its liveness socket closed) or handed a run over (it stops): look, and
         read the store and who runs on it, at once (``_asked``)."""
-        self._peers_at = -math.inf
+        self._peers_anew()
         self.poke()
+
+    def _peers_anew(self) -> None:
+        """Read who runs at the next read, whenever they were last read."""
+        self._peers_at = -math.inf
+        self._peers_told += 1
 
     def _look_again(self) -> None:
         """End the sleep and look again after it (a write left the store upkeep: ``_Store.tidy``,
@@ -9107,7 +9115,7 @@ class _Loop:
         whole = agenda is None or self._clock.monotonic() >= self._whole_at + _FULL_READ
         since = -1 if agenda is None or whole else agenda.seen
         peers = self._peers_in() <= 0
-        known = self._peers_key
+        known, told = self._peers_key, self._peers_told
         self._read_real = time.monotonic()
         jobs, runs, newest, met = await self._link.call(
             lambda s: (s.jobs(since), s.runs(), s.newest_slot(), _met(s, known) if peers else None),
@@ -9115,7 +9123,7 @@ class _Loop:
         )
         self._small_reads = len(jobs) + len(runs) <= _ON_THE_LOOP * 10
         self._found(runs)
-        changed = self._met(peers, met)
+        changed = self._met(peers, met, told)
         self.runner.ended &= {(run.job, run.slot, run.attempt) for run in runs}
         self._newest = newest or 0
         self._declared.disagree(jobs, "holds that one's")
@@ -9138,7 +9146,7 @@ class _Loop:
 
     async def _read_runs(self, runs: bool, peers: bool) -> None:
         """Read the runs alone (``runs``) and who runs on the store (``peers``), in one call."""
-        known = self._peers_key
+        known, told = self._peers_key, self._peers_told
         if runs:
             self._read_real = time.monotonic()
         found, met = await self._link.call(
@@ -9147,14 +9155,15 @@ class _Loop:
         if found is not None:
             self._small_reads = len(found) <= _ON_THE_LOOP * 10
             self._found(found)
-        if peers and self._met(True, met) and self._agenda is not None:  # (when each job is looked at, too)
+        if peers and self._met(True, met, told) and self._agenda is not None:  # (when each job is looked at, too)
             self._agenda = _Agenda(self._declared.jobs, self._agenda.rows.values(), self._look)
 
-    def _met(self, read: bool, met: tuple[_Who, dict[str, frozenset[str]]] | None) -> bool:
+    def _met(self, read: bool, met: tuple[_Who, dict[str, frozenset[str]]] | None, told: int) -> bool:
         """Keep who runs on the store, if ``read`` (``met``: who they are and what each declares,
-        None when unchanged); whether they changed (the caller makes the agenda again)."""
+        None when unchanged; ``told``: ``_peers_told`` as the read began); whether they changed
+        (the caller makes the agenda again)."""
         self._peers_unread = not read
-        if read:
+        if read and told == self._peers_told:  # (else a leaving told meanwhile: read them again)
             self._peers_at = self._clock.monotonic()
         if met is None:
             return False

@@ -105,24 +105,78 @@ def test_a_process_that_joined_just_after_another_read_who_runs_is_known_to_it_w
     run(main())
 
 
-def test_a_process_that_leaves_is_known_gone_to_the_others_at_once(db, clock):
+@pytest.mark.parametrize("watching", [False, True], ids=["", "a run of it watched"])
+def test_a_process_that_leaves_is_known_gone_to_the_others_at_once(db, clock, watching):
     """A process that stops tells the others of its leaving as of a trigger (``_ASKED``), and they
     read who runs at once, not ``_PEERS_EVERY`` after their last read of it: the jobs it ran first
-    have another first then (until then each of their occurrences waited for a second look)."""
+    have another first then (until then each of their occurrences waited for a second look). One
+    that watched a run of it is told first of its end or its hand-over, and reads at once, before
+    the leaving is written: the leaving told while that read is under way is read after it."""
     aligned(clock, HOUR)
     clock.advance(-HOUR / 2)  # (nothing comes due)
 
     async def main():
         # (told of changes, not polling: what is told is what this is about)
         a, b = make(db, clock, instance="a", poll=None), make(db, clock, instance="b", poll=None)
+
+        async def long(ctx):
+            await ctx.signal.wait()  # (a's run is handed over as a stops, and b takes it)
+
+        longs = [f"long-{i}" for i in range(8)]
         for s in (a, b):
             s.every("hourly", "1h", lambda ctx: None)
+            for name in longs:
+                s.every(name, "24h", long, offset=QUIET)
         async with b:
             async with a:
                 await _know_each_other(a, b, clock=clock)
+                if watching:  # (a run of a job whose first is a: a claims it at once, b watches it)
+                    mine = next(name for name in longs if a._loop._is_first(name))
+                    await a.trigger(mine)
+                    await wait_for(lambda: mine in {r.job for r in b._loop._runs or []}, message="b watches it")
             # (the clock stands still: b reads who runs again only because it was told)
             await wait_for(lambda: set(b._loop._peers) == {"b"}, message="b read that a left")
             assert b._loop._is_first("hourly")
+
+    run(main())
+
+
+def test_a_leaving_told_while_who_runs_is_read_has_them_read_again(db, clock):
+    """A process's leaving (or end) told while a read of who runs is under way, which may have read
+    them before the leaving was written, leaves them to be read again at the next look: that read
+    used to count as the read of who runs, for ``_PEERS_EVERY`` (a review's finding: as a process
+    stops, its end is told before its leaving, and the read it starts may be under way then)."""
+    aligned(clock, HOUR)
+    clock.advance(-HOUR / 2)  # (nothing comes due)
+    armed, read_who = [], []
+
+    def processes(original):
+        listed = original()
+        read_who.append(1)
+        if armed:  # (the leaving told now, the rows read before it)
+            armed.clear()
+            loop, b_loop, on_the_loop = armed_with
+            if threading.get_ident() == on_the_loop:
+                b_loop._gone()
+            else:
+                told = threading.Event()
+                loop.call_soon_threadsafe(lambda: (b_loop._gone(), told.set()))
+                assert told.wait(10)
+        return listed
+
+    armed_with = ()
+
+    async def main():
+        nonlocal armed_with
+        b = make(db, clock, instance="b", poll=None, store=faulty(processes=processes))
+        b.every("hourly", "1h", lambda ctx: None)
+        async with b:
+            await wait_for(lambda: b._loop.ready is not None and b._loop.ready.is_set(), message="ready")
+            armed_with = (asyncio.get_running_loop(), b._loop, threading.get_ident())
+            armed.append(1)
+            before = len(read_who)
+            b._loop._gone()  # (a read of who runs, during which the next leaving is told)
+            await wait_for(lambda: len(read_who) >= before + 2, message="who runs read again")
 
     run(main())
 
