@@ -714,7 +714,8 @@ def test_an_idle_process_watching_anothers_run_reads_only_the_runs(url):
                 await wait_for(lambda: calls["runs"] >= 2, message="b to watch")
                 # A change read less than 2 s after b's first read leaves who runs unread: b reads it
                 # once the 2 s passed, and that alone (it read the jobs and the newest slot too). (A
-                # job declared: a write that asks nothing of the others, which would read who runs.)
+                # job declared: a write that asks nothing of the others; one that did, a pause, would
+                # have b read who runs with it.)
                 read = calls["jobs"]
                 a.every("more", "24h", lambda ctx: None, offset=QUIET)  # (one write, one change told)
                 await wait_for(lambda: calls["newest_slot"] > read, message="b to read the change")

@@ -111,7 +111,7 @@ def test_a_process_that_leaves_is_known_gone_to_the_others_at_once(db, clock, wa
     read who runs at once, not ``_PEERS_EVERY`` after their last read of it: the jobs it ran first
     have another first then (until then each of their occurrences waited for a second look). One
     that watched a run of it is told first of its end or its hand-over, and reads at once, before
-    the leaving is written: the leaving told while that read is under way is read after it."""
+    the leaving is written (a leaving told while that read is under way: the next test)."""
     aligned(clock, HOUR)
     clock.advance(-HOUR / 2)  # (nothing comes due)
 
