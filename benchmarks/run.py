@@ -1341,12 +1341,15 @@ def _threads_switches(pid: int) -> int:
     """Voluntary context switches (wake-ups after a wait) of every thread of a process."""
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/status") as handle:
-                total += sum(int(line.split()[1]) for line in handle if line.startswith("voluntary_ctxt_switches"))
-        except FileNotFoundError:
-            pass  # (a thread that ended meanwhile)
+        with contextlib.suppress(FileNotFoundError):  # (a thread that ended meanwhile)
+            total += _task_switches(pid, task)
     return total
+
+
+def _task_switches(pid: int, task: str) -> int:
+    """Voluntary context switches of one thread (``task``) of ``pid``."""
+    with open(f"/proc/{pid}/task/{task}/status") as handle:
+        return sum(int(line.split()[1]) for line in handle if line.startswith("voluntary_ctxt_switches"))
 
 
 def commit_floor(commits: int = 2_000) -> float:
@@ -1440,17 +1443,27 @@ def _thread_cpu(call: Callable[[], Any]) -> float:
     return time.thread_time() - begin
 
 
+@contextlib.contextmanager
+def _sweeping(processes: int, jobs: int, settle: float = 5.0, **environment: str | None) -> Iterator[tuple[Fleet, str]]:
+    """``jobs`` jobs every second, spread over it, handlers that return at once, on ``processes``
+    workers started with ``environment`` set (their log left out: past its ceiling every occurrence
+    missed is a line), once each has declared and looked for ``settle`` seconds (and a millisecond a
+    job); the fleet and its folder, every worker ended and reaped after."""
+    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
+        fleet.stderr = subprocess.DEVNULL
+        with _environment(**environment):
+            fleet.start(processes)
+        time.sleep(settle + jobs / 1000)
+        yield fleet, folder
+
+
 def sweep_one(processes: int, jobs: int, seconds: float, statements: bool = False) -> dict[str, Any]:
     """``jobs`` jobs every second, spread over it, handlers that return at once, on ``processes``
     processes sharing one store: CPU, wake-ups and starts per occurrence, occurrences recorded
     missed (and, with ``statements``, the SQL statements the processes run, counted by a trace
     callback, and the system calls of the first process, counted by ``strace -c``: both cost CPU, so
     that run's CPU is not comparable)."""
-    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
-        fleet.stderr = subprocess.DEVNULL  # (past its ceiling every occurrence missed is a line)
-        with _environment(BENCH_STATEMENTS="1" if statements else None):
-            fleet.start(processes)
-        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
+    with _sweeping(processes, jobs, BENCH_STATEMENTS="1" if statements else None) as (fleet, folder):
         counted = _statements(fleet) if statements else 0
         tracer = _strace(fleet.procs[0].pid, folder) if statements else None
         cpu0, wakes0, begin = _cpu(fleet.procs), sum(_threads_switches(p.pid) for p in fleet.procs), time.time()
@@ -1496,10 +1509,7 @@ def fleet_shares(processes: int, jobs: int, seconds: float) -> dict[str, Any]:
     thread, ``/proc/PID/task/TID/schedstat``), and the occurrences it started; the processes that
     started none show what a process costs only by being in the fleet (it reads the others'
     changes and who runs), and ``baseline_ms`` is that cost times the processes, per occurrence."""
-    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
-        fleet.stderr = subprocess.DEVNULL
-        fleet.start(processes)
-        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
+    with _sweeping(processes, jobs) as (fleet, _):
         names = {e["pid"]: e["names"] for e in fleet.events() if e["event"] == "threads"}
 
         def sample() -> dict[int, dict[str, tuple[float, int]]]:
@@ -1547,8 +1557,7 @@ def _threads_by_name(pid: int, names: dict[str, str]) -> dict[str, tuple[float, 
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as handle:
                 ran = float(handle.read().split()[0])
-            with open(f"/proc/{pid}/task/{task}/status") as handle:
-                switches = sum(int(line.split()[1]) for line in handle if line.startswith("voluntary_ctxt_switches"))
+            switches = _task_switches(pid, task)
         except FileNotFoundError:
             continue  # (a thread that ended meanwhile)
         name = names.get(task, "other")
@@ -1562,13 +1571,10 @@ def stop_in_a_sweep(processes: int, jobs: int, window: float = 5.0) -> dict[str,
     ``processes`` processes, and the one that ran most of the last 3 s stopped (SIGTERM) once all
     are looking: of the occurrences due in the ``window`` seconds after the stop, how many started,
     how late (p50, p99, max), and how many were recorded ``missed``."""
-    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
-        fleet.stderr = subprocess.DEVNULL
-        fleet.start(processes)
-        time.sleep(10.0 + jobs / 1000)  # (every process declared, looking, and knowing the others)
+    with _sweeping(processes, jobs, settle=10.0) as (fleet, _):  # (and knowing the others)
         since = int((time.time() - 3.0) * 1000)
         ran = query(fleet.db, f"SELECT instance, count(*) FROM history WHERE slot >= {since} GROUP BY instance")
-        busiest = max(ran, key=lambda row: row[1])[0]  # (an instance is named host-pid-suffix)
+        busiest, busiest_ran = max(ran, key=lambda row: row[1])  # (an instance is named host-pid-suffix)
         stopped = time.time()
         next(p for p in fleet.procs if p.pid == int(busiest.split("-")[-2])).send_signal(signal.SIGTERM)
         time.sleep(window + 3.0)  # (the last occurrences of the window started, or recorded)
@@ -1581,7 +1587,7 @@ def stop_in_a_sweep(processes: int, jobs: int, window: float = 5.0) -> dict[str,
     late = [s[3] * 1000 for s in starts]
     return {
         "processes": processes,
-        "stopped_ran": max(row[1] for row in ran) / 3.0,  # (occurrences a second, before the stop)
+        "stopped_ran": busiest_ran / 3.0,  # (occurrences a second, before the stop)
         "due": round(jobs * window),
         "started": len(starts),
         "missed": missed[0][0],
@@ -1596,10 +1602,7 @@ def triggers_in_a_sweep(processes: int, jobs: int, triggers: int) -> dict[str, A
     and ``triggers`` runs triggered from this process, each of a job 30 ms after one of its
     occurrences (while the end of that run may still wait for its process's next claim), one at a
     time: how the runs triggered were recorded (all ``succeeded`` is right: their jobs are idle)."""
-    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
-        fleet.stderr = subprocess.DEVNULL
-        fleet.start(processes)
-        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
+    with _sweeping(processes, jobs) as (fleet, _):
         scheduler, made = Scheduler(fleet.db), []
         for n in range(triggers):
             job = n % jobs
@@ -1623,17 +1626,14 @@ def store_costs(processes: int, jobs: int, seconds: float, top: int = 30) -> lis
     the store's and the loop's methods and their CPU (``benchmarks/_costs``) over ``seconds``:
     the ``top`` methods by CPU, summed over the processes, per occurrence of the jobs
     (``jobs`` a second). The counting costs CPU: the figures are for comparing the calls."""
-    with tempfile.TemporaryDirectory() as folder, Fleet("pgcost_busy", folder, "3600", str(jobs), "1") as fleet:
-        fleet.stderr = subprocess.DEVNULL
-        given = os.environ.get("PYTHONPATH")
-        counting = os.pathsep.join(filter(None, [os.path.join(HERE, "_costs"), given]))
-        with _environment(PYTHONPATH=counting, BENCH_COSTS=os.path.join(folder, "costs")):
-            fleet.start(processes)
-        time.sleep(5.0 + jobs / 1000)  # (every process declared and looking)
-        for proc in fleet.procs:
-            proc.send_signal(signal.SIGUSR2)  # (counted afresh from now)
-        time.sleep(seconds)
-        fleet.stop()
+    counting = os.pathsep.join(filter(None, [os.path.join(HERE, "_costs"), os.environ.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as folder:
+        environment = {"PYTHONPATH": counting, "BENCH_COSTS": os.path.join(folder, "costs")}
+        with _sweeping(processes, jobs, **environment) as (fleet, _):
+            for proc in fleet.procs:
+                proc.send_signal(signal.SIGUSR2)  # (counted afresh from now)
+            time.sleep(seconds)
+            fleet.stop()
         totals: dict[str, list[float]] = {}
         for proc in fleet.procs:
             with open(os.path.join(folder, f"costs.{proc.pid}")) as handle:

@@ -149,6 +149,7 @@ def test_a_leaving_told_while_who_runs_is_read_has_them_read_again(db, clock):
     aligned(clock, HOUR)
     clock.advance(-HOUR / 2)  # (nothing comes due)
     armed, read_who = [], []
+    armed_with = ()  # (the test's loop, b's, and the loop's thread, once b runs)
 
     def processes(original):
         listed = original()
@@ -163,8 +164,6 @@ def test_a_leaving_told_while_who_runs_is_read_has_them_read_again(db, clock):
                 loop.call_soon_threadsafe(lambda: (b_loop._gone(), told.set()))
                 assert told.wait(10)
         return listed
-
-    armed_with = ()
 
     async def main():
         nonlocal armed_with
